@@ -1,0 +1,179 @@
+//! axum integration: an extractor that buffers and identifies the request, and the
+//! conversions between the engine's responses and axum's.
+//!
+//! The `#[idempotent]` attribute generates calls to this module; it can also be used
+//! by hand, as below.
+//!
+//! # Examples
+//!
+//! ```rust,no_run
+//! use axum::{Router, extract::FromRef, http::StatusCode, response::IntoResponse, routing::post};
+//! use idem_runtime::axum::IdempotentRequest;
+//! use idem_runtime::{Idempotency, Options};
+//! use sqlx::Sqlite;
+//!
+//! #[derive(Clone, FromRef)]
+//! struct AppState {
+//!     idempotency: Idempotency<Sqlite>,
+//! }
+//!
+//! async fn create_order(request: IdempotentRequest<Sqlite>) -> axum::response::Response {
+//!     let body = request.body().clone();
+//!     request
+//!         .run("user-7", Options::new().required(true), move |mut tx| {
+//!             Box::pin(async move {
+//!                 let inserted = sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!                     .bind(body.to_vec())
+//!                     .execute(&mut *tx)
+//!                     .await;
+//!                 match inserted {
+//!                     Ok(_) => (StatusCode::CREATED, "created").into_response(),
+//!                     Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+//!                 }
+//!             })
+//!         })
+//!         .await
+//! }
+//!
+//! # fn app(state: AppState) -> Router {
+//! Router::new().route("/orders", post(create_order)).with_state(state)
+//! # }
+//! ```
+
+use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRef, FromRequest, Request};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+
+use crate::backend::Backend;
+use crate::engine::{HandlerFuture, RequestIdentity};
+use crate::key::IdempotencyKey;
+use crate::options::Options;
+use crate::problem::Problem;
+use crate::store::Idempotency;
+
+/// A buffered request with its idempotency key, ready to [`run`](Self::run).
+///
+/// Extracting it reads the whole body (within axum's `DefaultBodyLimit`) and parses
+/// `Idempotency-Key`; the store comes from the router state through `FromRef`.
+///
+/// # Errors
+///
+/// Rejected, before anything is stored, with a problem+json answer:
+/// 400 `invalid-key` for a malformed or repeated key, 413 `payload-too-large` for a
+/// body over the limit; other body failures are answered as axum answers them.
+#[derive(Debug)]
+pub struct IdempotentRequest<DB: Backend> {
+    store: Idempotency<DB>,
+    key: Option<IdempotencyKey>,
+    parts: Parts,
+    body: Bytes,
+}
+
+impl<DB: Backend> IdempotentRequest<DB> {
+    /// The request's key, if it sent one.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.key.as_ref()
+    }
+
+    /// The request line and headers.
+    pub fn parts(&self) -> &Parts {
+        &self.parts
+    }
+
+    /// The buffered body, exactly as received.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// Takes the request apart, e.g. to run axum extractors on it before
+    /// [`run_parts`](Self::run_parts).
+    pub fn into_parts(self) -> (Idempotency<DB>, Option<IdempotencyKey>, Parts, Bytes) {
+        (self.store, self.key, self.parts, self.body)
+    }
+
+    /// Runs `handler` under this request's key in `scope`; see
+    /// [`Idempotency::execute`].
+    pub async fn run<F>(self, scope: &str, options: Options, handler: F) -> Response
+    where
+        F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
+    {
+        Self::run_parts(
+            &self.store,
+            self.key,
+            &self.parts,
+            &self.body,
+            scope,
+            options,
+            handler,
+        )
+        .await
+    }
+
+    /// [`run`](Self::run) on a request already taken apart.
+    pub async fn run_parts<F>(
+        store: &Idempotency<DB>,
+        key: Option<IdempotencyKey>,
+        parts: &Parts,
+        body: &[u8],
+        scope: &str,
+        options: Options,
+        handler: F,
+    ) -> Response
+    where
+        F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
+    {
+        let request = RequestIdentity::new(key, scope, &parts.method, &parts.uri, body);
+        store
+            .execute(request, options, handler)
+            .await
+            .map(Body::from)
+    }
+}
+
+impl<S, DB> FromRequest<S> for IdempotentRequest<DB>
+where
+    S: Send + Sync,
+    DB: Backend,
+    Idempotency<DB>: FromRef<S>,
+{
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let store = Idempotency::<DB>::from_ref(state);
+        let key = IdempotencyKey::from_headers(request.headers()).map_err(|invalid| {
+            problem_response(&store, Problem::InvalidKey, &invalid.to_string())
+        })?;
+        let (parts, body) = request.into_parts();
+        let body = Bytes::from_request(Request::from_parts(parts.clone(), body), state)
+            .await
+            .map_err(|rejection| body_rejection(&store, rejection))?;
+        Ok(Self {
+            store,
+            key,
+            parts,
+            body,
+        })
+    }
+}
+
+/// Renders `problem` with the store's problem base, as an axum response.
+pub fn problem_response<DB: Backend>(
+    store: &Idempotency<DB>,
+    problem: Problem,
+    detail: &str,
+) -> Response {
+    store.problem(problem, detail).map(Body::from)
+}
+
+fn body_rejection<DB: Backend>(store: &Idempotency<DB>, rejection: BytesRejection) -> Response {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        let detail = "the request body is larger than this endpoint accepts";
+        problem_response(store, Problem::PayloadTooLarge, detail)
+    } else {
+        rejection.into_response()
+    }
+}

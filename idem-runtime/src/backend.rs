@@ -1,0 +1,129 @@
+//! What the engine needs from a database; one implementation per backend module.
+//!
+//! Items here are `pub` only so the sealed trait may name them; none is re-exported.
+#![allow(unreachable_pub)]
+
+use std::future::Future;
+
+use sqlx::{Database, Transaction};
+
+/// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`) or
+/// [`sqlx::Sqlite`] (feature `sqlite`).
+///
+/// The trait is sealed; its methods are the engine's and not part of the API.
+pub trait Backend: Database + sealed::Store {}
+
+impl<DB: Database + sealed::Store> Backend for DB {}
+
+/// The request identity the engine hands to a backend.
+#[derive(Debug)]
+pub struct Identity<'a> {
+    pub scope: &'a str,
+    pub key: &'a str,
+    pub method: &'a str,
+    pub path: &'a str,
+    pub fingerprint: &'a [u8; 32],
+}
+
+/// What a lookup found under (scope, key).
+#[derive(Debug)]
+pub struct Found {
+    pub completed: bool,
+    /// `locked_until` is still ahead, by the database clock.
+    pub live: bool,
+    /// `expires_at` is still ahead, by the database clock.
+    pub fresh: bool,
+    pub method: String,
+    pub path: String,
+    pub fingerprint: Vec<u8>,
+    pub status: Option<i32>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<Vec<u8>>,
+}
+
+impl Found {
+    pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
+        self.method == id.method
+            && self.path == id.path
+            && self.fingerprint.as_slice() == id.fingerprint.as_slice()
+    }
+}
+
+/// A response ready to be recorded.
+pub struct Recorded<'a> {
+    pub status: i32,
+    pub headers: &'a [u8],
+    pub body: &'a [u8],
+}
+
+pub mod sealed {
+    use super::*;
+
+    /// The SQL of one backend for one table; built once per store.
+    pub trait Store: Database {
+        /// Prepared statement texts for `table`.
+        #[doc(hidden)]
+        type Sql: Send + Sync + 'static;
+
+        #[doc(hidden)]
+        fn sql(table: &str) -> Self::Sql;
+
+        /// The backend's migration, for the default table name.
+        #[doc(hidden)]
+        const MIGRATION: &'static str;
+
+        /// Applies the migration under a lock, so instances starting together agree.
+        #[doc(hidden)]
+        fn migrate<'c>(
+            conn: &'c mut Self::Connection,
+            script: &'c str,
+        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
+
+        /// Reads (scope, key) outside any transaction.
+        #[doc(hidden)]
+        fn lookup<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::Sql,
+            id: &'c Identity<'c>,
+        ) -> impl Future<Output = Result<Option<Found>, sqlx::Error>> + Send + 'c;
+
+        /// Takes (scope, key) under `lease` and opens the transaction the handler
+        /// runs in. `None`: another executor holds it, or it completed meanwhile.
+        #[doc(hidden)]
+        fn claim<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::Sql,
+            id: &'c Identity<'c>,
+            lease: i64,
+            lock_ms: i64,
+            ttl_ms: i64,
+        ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
+
+        /// Opens the transaction for a request that carries no key.
+        #[doc(hidden)]
+        fn begin(
+            conn: &mut Self::Connection,
+        ) -> impl Future<Output = Result<Transaction<'_, Self>, sqlx::Error>> + Send + '_;
+
+        /// Completes the row inside the handler's transaction, if `lease` still holds
+        /// it by the database clock. `false`: the lease was lost; roll back.
+        #[doc(hidden)]
+        fn record<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::Sql,
+            id: &'c Identity<'c>,
+            lease: i64,
+            response: Recorded<'c>,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+
+        /// Frees a claim after a rollback, if `lease` still holds it. Backends whose
+        /// claim lives inside the rolled-back transaction have nothing to do.
+        #[doc(hidden)]
+        fn release<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::Sql,
+            id: &'c Identity<'c>,
+            lease: i64,
+        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
+    }
+}

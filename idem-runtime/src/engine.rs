@@ -1,0 +1,644 @@
+//! The claim → execute → record state machine (SPEC §4).
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt as _;
+use http::{Method, Response, Uri};
+use http_body::Body;
+use http_body_util::{BodyExt as _, Limited};
+use sha2::{Digest, Sha256};
+use sqlx::{Database, Transaction};
+use tracing::Instrument as _;
+
+use crate::backend::{Backend, Found, Identity, Recorded};
+use crate::key::IdempotencyKey;
+use crate::options::Options;
+use crate::problem::Problem;
+use crate::record::{encode_headers, replay};
+use crate::store::Idempotency;
+
+/// The transaction a handler writes through; the response is recorded in it.
+///
+/// It dereferences to the backend's connection, so it is used like a
+/// [`sqlx::Transaction`]: `query.execute(&mut *tx)`. Do not commit or roll back
+/// through it: idem commits the handler's writes together with the recorded response
+/// when the handler answers below 500, and rolls both back otherwise.
+///
+/// # Examples
+///
+/// ```rust,no_run
+/// use idem_runtime::Tx;
+/// use sqlx::Postgres;
+///
+/// async fn debit(tx: &mut Tx<'_, Postgres>, user: &str, amount: i64) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
+///         .bind(amount)
+///         .bind(user)
+///         .execute(&mut **tx)
+///         .await?;
+///     Ok(())
+/// }
+/// ```
+pub struct Tx<'t, DB: Database> {
+    conn: &'t mut DB::Connection,
+}
+
+impl<'t, DB: Database> Tx<'t, DB> {
+    fn new(conn: &'t mut DB::Connection) -> Self {
+        Self { conn }
+    }
+}
+
+impl<DB: Database> Deref for Tx<'_, DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        self.conn
+    }
+}
+
+impl<DB: Database> DerefMut for Tx<'_, DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.conn
+    }
+}
+
+impl<DB: Database> fmt::Debug for Tx<'_, DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tx").field("backend", &DB::NAME).finish()
+    }
+}
+
+/// The future a handler closure returns: it may borrow the [`Tx`] it was given.
+pub type HandlerFuture<'t, B> = Pin<Box<dyn Future<Output = Response<B>> + Send + 't>>;
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// SHA-256 of a request body: the fingerprint a key's later uses must match.
+///
+/// # Examples
+///
+/// ```
+/// let a = idem_runtime::fingerprint(br#"{"amount":100}"#);
+/// assert_ne!(a, idem_runtime::fingerprint(br#"{"amount":200}"#));
+/// ```
+pub fn fingerprint(body: &[u8]) -> [u8; 32] {
+    Sha256::digest(body).into()
+}
+
+/// Everything that identifies one request to the engine: its key (if any), its
+/// scope, method, path and query, and the fingerprint of its body.
+///
+/// # Examples
+///
+/// ```
+/// use http::{Method, Uri};
+/// use idem_runtime::{IdempotencyKey, RequestIdentity};
+///
+/// let key = IdempotencyKey::parse(b"order-42").ok();
+/// let uri: Uri = "/payments?dry=0".parse().unwrap();
+/// let request = RequestIdentity::new(key, "user-7", &Method::POST, &uri, br#"{"amount":100}"#);
+/// assert_eq!(request.path(), "/payments?dry=0");
+/// assert_eq!(request.key().unwrap().scope(), Some("user-7"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RequestIdentity {
+    key: Option<IdempotencyKey>,
+    scope: String,
+    method: Method,
+    path: String,
+    fingerprint: [u8; 32],
+}
+
+impl RequestIdentity {
+    /// Identifies a request; `body` is hashed, not kept.
+    pub fn new(
+        key: Option<IdempotencyKey>,
+        scope: impl Into<String>,
+        method: &Method,
+        uri: &Uri,
+        body: &[u8],
+    ) -> Self {
+        let scope = scope.into();
+        Self {
+            key: key.map(|k| k.with_scope(&scope)),
+            scope,
+            method: method.clone(),
+            path: uri
+                .path_and_query()
+                .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
+            fingerprint: fingerprint(body),
+        }
+    }
+
+    /// The key, bound to the scope (so [`IdempotencyKey::derive`] is per tenant).
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.key.as_ref()
+    }
+
+    /// The scope keys are unique within.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The request's path and query.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+/// How the engine answered one request; attached to every response it returns as
+/// an extension, and named in its `tracing` event.
+///
+/// # Examples
+///
+/// ```
+/// # fn demo(response: http::Response<bytes::Bytes>) {
+/// use idem_runtime::Outcome;
+///
+/// if response.extensions().get::<Outcome>() == Some(&Outcome::Replayed) {
+///     // count replays
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran; its writes and response committed together.
+    Executed,
+    /// The handler ran after taking over a claim whose executor was gone.
+    TakenOver,
+    /// The stored response was replayed; the handler did not run.
+    Replayed,
+    /// Another execution holds the key: 409 `in-flight`.
+    InFlight,
+    /// The key was first used with another request: 422 `payload-mismatch`.
+    Mismatch,
+    /// The handler ran but its work was rolled back and the key released: it
+    /// answered ≥ 500, panicked, ran past its lock, or its response could not be stored.
+    Released,
+    /// No key on an endpoint that does not require one: the handler ran, nothing stored.
+    Unkeyed,
+    /// Missing or malformed key: 400.
+    Refused,
+    /// The database failed: 503 `store-unavailable`.
+    StoreFailed,
+}
+
+impl Outcome {
+    /// A stable lowercase name, as logged.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::TakenOver => "taken_over",
+            Self::Replayed => "replayed",
+            Self::InFlight => "in_flight",
+            Self::Mismatch => "mismatch",
+            Self::Released => "released",
+            Self::Unkeyed => "unkeyed",
+            Self::Refused => "refused",
+            Self::StoreFailed => "store_failed",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+enum Decision {
+    Claim { takeover: bool },
+    Answer(Outcome, Response<Bytes>),
+}
+
+/// The handler's result once its body is buffered.
+enum Ran {
+    Done(Response<Bytes>),
+    TooLarge,
+    BodyFailed(BoxError),
+    Panicked(String),
+    TimedOut,
+}
+
+impl<DB: Backend> Idempotency<DB> {
+    /// Runs `handler` under the request's idempotency key.
+    ///
+    /// The handler gets a [`Tx`] to write through and returns a response. A new key
+    /// is claimed, the handler runs, and its response is recorded in the same
+    /// transaction as its writes. A completed key is replayed without running the
+    /// handler, an in-flight one is answered 409, a key reused with another request
+    /// 422. Without a key the handler runs in a plain transaction (or, if
+    /// `options.is_required()`, the answer is 400 `missing-key`).
+    ///
+    /// The work runs in its own task: if the caller's future is dropped (the client
+    /// went away), it still ends with a commit, or with a rollback and the key
+    /// released. A handler still running when its `lock` runs out is dropped and
+    /// rolled back.
+    ///
+    /// Every failure is answered with a problem+json response (see [`Problem`]); the
+    /// [`Outcome`] extension of the response says what happened.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// use bytes::Bytes;
+    /// use http::{Method, Response, StatusCode, Uri};
+    /// use http_body_util::Full;
+    /// use idem_runtime::{Idempotency, IdempotencyKey, Options, RequestIdentity};
+    /// use sqlx::Sqlite;
+    ///
+    /// async fn pay(store: Idempotency<Sqlite>, key: IdempotencyKey, body: Bytes) -> Response<Bytes> {
+    ///     let uri = Uri::from_static("/payments");
+    ///     let request = RequestIdentity::new(Some(key), "user-7", &Method::POST, &uri, &body);
+    ///     store
+    ///         .execute(request, Options::new(), move |mut tx| {
+    ///             Box::pin(async move {
+    ///                 let inserted = sqlx::query("INSERT INTO payments (body) VALUES (?1)")
+    ///                     .bind(body.to_vec())
+    ///                     .execute(&mut *tx)
+    ///                     .await;
+    ///                 let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+    ///                 *response.status_mut() = match inserted {
+    ///                     Ok(_) => StatusCode::CREATED,
+    ///                     Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    ///                 };
+    ///                 response
+    ///             })
+    ///         })
+    ///         .await
+    /// }
+    /// ```
+    pub async fn execute<F, B>(
+        &self,
+        request: RequestIdentity,
+        options: Options,
+        handler: F,
+    ) -> Response<Bytes>
+    where
+        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let span = tracing::info_span!(
+            "idem",
+            method = %request.method,
+            path = %request.path,
+            key = request.key.as_ref().map(IdempotencyKey::as_str),
+        );
+        let store = self.clone();
+        let task = tokio::spawn(
+            async move {
+                let (outcome, mut response) = store.run(request, options, handler).await;
+                tracing::info!(
+                    outcome = outcome.as_str(),
+                    status = response.status().as_u16(),
+                    "idempotent request"
+                );
+                response.extensions_mut().insert(outcome);
+                response
+            }
+            .instrument(span),
+        );
+        match task.await {
+            Ok(response) => response,
+            // Only when the runtime shuts down under the task.
+            Err(error) => {
+                tracing::error!(%error, "idempotent request task ended abnormally");
+                let mut response = self.problem(
+                    Problem::StoreUnavailable,
+                    "the request was interrupted; retry with the same key",
+                );
+                response.extensions_mut().insert(Outcome::StoreFailed);
+                response
+            }
+        }
+    }
+
+    async fn run<F, B>(
+        &self,
+        request: RequestIdentity,
+        options: Options,
+        handler: F,
+    ) -> (Outcome, Response<Bytes>)
+    where
+        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        if request.key.is_none() && options.is_required() {
+            let detail = "this endpoint requires an Idempotency-Key header";
+            return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
+        }
+        let mut conn = match self.inner.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(error) => return self.store_failed(&error),
+        };
+        let Some(key) = &request.key else {
+            return self.run_unkeyed(&mut conn, handler).await;
+        };
+        let id = Identity {
+            scope: &request.scope,
+            key: key.as_str(),
+            method: request.method.as_str(),
+            path: &request.path,
+            fingerprint: &request.fingerprint,
+        };
+        let sql = &self.inner.sql;
+
+        let takeover = match DB::lookup(&mut conn, sql, &id).await {
+            Ok(found) => match self.decide(found, &id) {
+                Decision::Claim { takeover } => takeover,
+                Decision::Answer(outcome, response) => return (outcome, response),
+            },
+            Err(error) => return self.store_failed(&error),
+        };
+
+        let lease = new_lease();
+        let claim = DB::claim(
+            &mut conn,
+            sql,
+            &id,
+            lease,
+            options.lock_millis(),
+            options.ttl_millis(),
+        );
+        let mut tx = match claim.await {
+            Ok(Some(tx)) => tx,
+            // `other` takes the whole result, so `conn` is free again below.
+            other => {
+                let error = other.err();
+                return self.claim_lost(&mut conn, &id, lease, error).await;
+            }
+        };
+        if takeover {
+            tracing::info!("taking over a claim whose lock had passed");
+        }
+
+        let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
+        let ran = run_handler(
+            &mut tx,
+            handler,
+            Some(lock),
+            Some(self.inner.max_response_bytes),
+        );
+        let (outcome, response) = match ran.await {
+            Ran::Done(response) if !response.status().is_server_error() => {
+                let headers = encode_headers(response.headers());
+                let recorded = Recorded {
+                    status: i32::from(response.status().as_u16()),
+                    headers: &headers,
+                    body: response.body(),
+                };
+                match DB::record(&mut tx, sql, &id, lease, recorded).await {
+                    Ok(true) => match tx.commit().await {
+                        Ok(()) => {
+                            let outcome = if takeover {
+                                Outcome::TakenOver
+                            } else {
+                                Outcome::Executed
+                            };
+                            return (outcome, response);
+                        }
+                        // The commit may or may not have happened: a retry finds out.
+                        Err(error) => self.store_failed(&error),
+                    },
+                    Ok(false) => {
+                        rollback(tx).await;
+                        let detail = "the request ran past its lock and was rolled back; retry with the same key";
+                        (
+                            Outcome::Released,
+                            self.problem(Problem::LeaseExpired, detail),
+                        )
+                    }
+                    Err(error) => {
+                        rollback(tx).await;
+                        self.store_failed(&error)
+                    }
+                }
+            }
+            ran => {
+                rollback(tx).await;
+                (Outcome::Released, self.failed(ran))
+            }
+        };
+        if let Err(error) = DB::release(&mut conn, sql, &id, lease).await {
+            // The key stays busy until its lock passes; then a retry takes it over.
+            tracing::warn!(%error, "could not release the claim");
+        }
+        (outcome, response)
+    }
+
+    /// Answers a request whose claim failed: from what the winner left (409 while it
+    /// runs), or 503 when the database failed.
+    async fn claim_lost(
+        &self,
+        conn: &mut DB::Connection,
+        id: &Identity<'_>,
+        lease: i64,
+        error: Option<sqlx::Error>,
+    ) -> (Outcome, Response<Bytes>) {
+        let sql = &self.inner.sql;
+        if let Some(error) = error {
+            // A backend may have committed its claim before failing.
+            let _ = DB::release(conn, sql, id, lease).await;
+            return self.store_failed(&error);
+        }
+        match DB::lookup(conn, sql, id).await {
+            Ok(found) => match self.decide(found, id) {
+                Decision::Answer(outcome, response) => (outcome, response),
+                Decision::Claim { .. } => (Outcome::InFlight, self.in_flight()),
+            },
+            Err(error) => self.store_failed(&error),
+        }
+    }
+
+    async fn run_unkeyed<F, B>(
+        &self,
+        conn: &mut DB::Connection,
+        handler: F,
+    ) -> (Outcome, Response<Bytes>)
+    where
+        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let mut tx = match DB::begin(conn).await {
+            Ok(tx) => tx,
+            Err(error) => return self.store_failed(&error),
+        };
+        match run_handler(&mut tx, handler, None, None).await {
+            Ran::Done(response) if !response.status().is_server_error() => {
+                match tx.commit().await {
+                    Ok(()) => (Outcome::Unkeyed, response),
+                    Err(error) => self.store_failed(&error),
+                }
+            }
+            ran => {
+                rollback(tx).await;
+                (Outcome::Unkeyed, self.failed(ran))
+            }
+        }
+    }
+
+    /// What a lookup means for this request.
+    fn decide(&self, found: Option<Found>, id: &Identity<'_>) -> Decision {
+        // An expired key is treated as never seen.
+        let Some(found) = found.filter(|found| found.fresh) else {
+            return Decision::Claim { takeover: false };
+        };
+        if !found.matches(id) {
+            let detail = if found.method != id.method || found.path != id.path {
+                format!(
+                    "this Idempotency-Key was first used for {} {}",
+                    found.method, found.path
+                )
+            } else {
+                "this Idempotency-Key was first used with a different request body".to_owned()
+            };
+            return Decision::Answer(
+                Outcome::Mismatch,
+                self.problem(Problem::PayloadMismatch, &detail),
+            );
+        }
+        if found.completed {
+            let response = replay(
+                found.status.unwrap_or(500),
+                found.headers.as_deref().unwrap_or_default(),
+                found.body.unwrap_or_default(),
+            );
+            Decision::Answer(Outcome::Replayed, response)
+        } else if found.live {
+            Decision::Answer(Outcome::InFlight, self.in_flight())
+        } else {
+            Decision::Claim { takeover: true }
+        }
+    }
+
+    pub(crate) fn problem(&self, problem: Problem, detail: &str) -> Response<Bytes> {
+        problem.to_response(&self.inner.problem_base, detail)
+    }
+
+    fn in_flight(&self) -> Response<Bytes> {
+        let detail = "a request with this Idempotency-Key is still being processed; retry later";
+        self.problem(Problem::InFlight, detail)
+    }
+
+    fn store_failed(&self, error: &sqlx::Error) -> (Outcome, Response<Bytes>) {
+        tracing::warn!(%error, "idempotency store failed");
+        let detail = "the idempotency store failed; retry with the same key";
+        (
+            Outcome::StoreFailed,
+            self.problem(Problem::StoreUnavailable, detail),
+        )
+    }
+
+    /// The answer for a handler whose work was rolled back.
+    fn failed(&self, ran: Ran) -> Response<Bytes> {
+        match ran {
+            Ran::Done(response) => response,
+            Ran::TooLarge => {
+                tracing::error!(
+                    limit = self.inner.max_response_bytes,
+                    "response too large to store; rolled back"
+                );
+                let detail = format!(
+                    "the response exceeded the {} bytes the idempotency store keeps, so the request was rolled back",
+                    self.inner.max_response_bytes
+                );
+                self.problem(Problem::ResponseTooLarge, &detail)
+            }
+            Ran::BodyFailed(error) => {
+                tracing::error!(%error, "response body failed; rolled back");
+                self.problem(
+                    Problem::HandlerFailed,
+                    "the response body failed; the request was rolled back",
+                )
+            }
+            Ran::Panicked(message) => {
+                tracing::error!(panic = %message, "handler panicked; rolled back");
+                self.problem(
+                    Problem::HandlerFailed,
+                    "the handler failed; the request was rolled back",
+                )
+            }
+            Ran::TimedOut => {
+                tracing::warn!("handler ran past its lock; cancelled and rolled back");
+                let detail =
+                    "the request ran past its lock and was rolled back; retry with the same key";
+                self.problem(Problem::LeaseExpired, detail)
+            }
+        }
+    }
+}
+
+/// Runs the handler on `tx` and buffers its body, catching panics and, with `lock`,
+/// dropping it at the deadline.
+async fn run_handler<DB, F, B>(
+    tx: &mut Transaction<'_, DB>,
+    handler: F,
+    lock: Option<Duration>,
+    limit: Option<usize>,
+) -> Ran
+where
+    DB: Backend,
+    F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B>,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let work = AssertUnwindSafe(async {
+        let (parts, body) = handler(Tx::new(&mut **tx)).await.into_parts();
+        let collected = match limit {
+            Some(limit) => Limited::new(body, limit).collect().await,
+            None => body.collect().await.map_err(Into::into),
+        };
+        match collected {
+            Ok(collected) => Ran::Done(Response::from_parts(parts, collected.to_bytes())),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => Ran::TooLarge,
+            Err(error) => Ran::BodyFailed(error),
+        }
+    })
+    .catch_unwind();
+    let caught = match lock {
+        Some(lock) => match tokio::time::timeout(lock, work).await {
+            Ok(caught) => caught,
+            Err(_elapsed) => return Ran::TimedOut,
+        },
+        None => work.await,
+    };
+    caught.unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".to_owned());
+        Ran::Panicked(message)
+    })
+}
+
+async fn rollback<DB: Database>(tx: Transaction<'_, DB>) {
+    if let Err(error) = tx.rollback().await {
+        tracing::warn!(%error, "rollback failed");
+    }
+}
+
+/// A fresh lease token. Random, not a counter: a row deleted and claimed again must
+/// never hand an old executor's token to a new one.
+fn new_lease() -> i64 {
+    let bits = getrandom::u64().unwrap_or_else(|_| {
+        use std::hash::{BuildHasher, RandomState};
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        RandomState::new().hash_one(nanos)
+    });
+    i64::from_ne_bytes(bits.to_ne_bytes())
+}

@@ -1,0 +1,98 @@
+//! Per-endpoint settings: `ttl`, `lock`, `required`.
+
+use std::time::Duration;
+
+/// How one endpoint uses idempotency keys.
+///
+/// The `#[idempotent]` attribute builds one of these from its arguments; the
+/// builder methods are `const` so a hand-written handler can keep its options in
+/// a `const` too.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_runtime::Options;
+///
+/// const PAYMENTS: Options = Options::new()
+///     .ttl(Duration::from_secs(24 * 3600))
+///     .lock(Duration::from_secs(30))
+///     .required(true);
+/// assert!(PAYMENTS.is_required());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    ttl: Duration,
+    lock: Duration,
+    required: bool,
+}
+
+impl Options {
+    /// Defaults: `ttl` 24 hours, `lock` 30 seconds, key not required.
+    pub const fn new() -> Self {
+        Self {
+            ttl: Duration::from_secs(24 * 60 * 60),
+            lock: Duration::from_secs(30),
+            required: false,
+        }
+    }
+
+    /// How long a key is remembered, counted from its first claim. A request whose
+    /// key is older is treated as never seen.
+    #[must_use]
+    pub const fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The longest one execution may hold the key. An executor still running at its
+    /// deadline is cancelled and rolled back (it can never commit late), and its key
+    /// is free for a retry. Keep it shorter than `ttl`.
+    #[must_use]
+    pub const fn lock(mut self, lock: Duration) -> Self {
+        self.lock = lock;
+        self
+    }
+
+    /// Whether a request without `Idempotency-Key` is refused with 400 `missing-key`
+    /// (otherwise it runs normally and nothing is stored).
+    #[must_use]
+    pub const fn required(mut self, required: bool) -> Self {
+        self.required = required;
+        self
+    }
+
+    /// See [`ttl`](Self::ttl).
+    pub const fn ttl_duration(&self) -> Duration {
+        self.ttl
+    }
+
+    /// See [`lock`](Self::lock).
+    pub const fn lock_duration(&self) -> Duration {
+        self.lock
+    }
+
+    /// See [`required`](Self::required).
+    pub const fn is_required(&self) -> bool {
+        self.required
+    }
+
+    pub(crate) fn ttl_millis(&self) -> i64 {
+        millis(self.ttl)
+    }
+
+    pub(crate) fn lock_millis(&self) -> i64 {
+        // A zero lock would make every claim stale at birth.
+        millis(self.lock).max(1)
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}

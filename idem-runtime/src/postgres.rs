@@ -1,0 +1,202 @@
+//! PostgreSQL: the claim lives inside the handler's own transaction.
+//!
+//! One transaction does everything: `BEGIN`, claim, the handler's writes, record,
+//! `COMMIT`. Measured on this project's reference machine, that design ran at 0.65×
+//! a bare transactional handler where a claim committed on its own first ran at
+//! 0.45×, and a crashed executor needs no lease expiry: the server ends its
+//! transaction and the claim goes with it.
+//!
+//! - Concurrent duplicates answer 409 at once instead of waiting on the uncommitted
+//!   row of the unique index: the claim is taken only together with
+//!   `pg_try_advisory_xact_lock` on a hash of (schema, table, scope, key), which never
+//!   waits.
+//!   The lock is held exactly as long as the executor's transaction, so a live
+//!   executor is never taken over.
+//! - A stuck executor cannot hold its key past `lock`: the transaction sets
+//!   `statement_timeout` and `idle_in_transaction_session_timeout` to `lock`, so the
+//!   server ends it even if the application process is frozen, and the record is
+//!   conditional on `locked_until > clock_timestamp()`. `clock_timestamp()`, not
+//!   `now()`: `now()` is the time the transaction started.
+//! - A `processing` row is never committed by this backend, but one left by another
+//!   writer and past `locked_until` is taken over by compare-and-swap in the claim.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
+
+use crate::backend::{Found, Identity, Recorded, sealed::Store};
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Sql {
+    table: Arc<str>,
+    lookup: Arc<str>,
+    claim: Arc<str>,
+    record: Arc<str>,
+}
+
+impl Store for Postgres {
+    type Sql = Sql;
+
+    const MIGRATION: &'static str =
+        include_str!("../../migrations/postgres/0001_idempotency_keys.sql");
+
+    fn sql(table: &str) -> Sql {
+        Sql {
+            table: table.into(),
+            lookup: format!(
+                "SELECT state, method, path, fingerprint, status, headers, body, \
+                        locked_until > clock_timestamp() AS live, \
+                        expires_at > clock_timestamp() AS fresh \
+                 FROM {table} WHERE scope = $1 AND idempotency_key = $2"
+            )
+            .into(),
+            claim: format!(
+                "INSERT INTO {table} AS r (scope, idempotency_key, state, lease, method, path, \
+                        fingerprint, locked_until, expires_at, created_at) \
+                 SELECT $1, $2, 'processing', $3, $4, $5, $6, \
+                        clock_timestamp() + $7::float8 * interval '1 millisecond', \
+                        clock_timestamp() + $8::float8 * interval '1 millisecond', \
+                        clock_timestamp() \
+                 WHERE pg_try_advisory_xact_lock(hashtextextended(current_schema(), $9)) \
+                 ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
+                        state = 'processing', lease = excluded.lease, method = excluded.method, \
+                        path = excluded.path, fingerprint = excluded.fingerprint, status = NULL, \
+                        headers = NULL, body = NULL, locked_until = excluded.locked_until, \
+                        expires_at = excluded.expires_at, created_at = excluded.created_at \
+                 WHERE r.expires_at <= clock_timestamp() \
+                    OR (r.state = 'processing' AND r.locked_until <= clock_timestamp()) \
+                 RETURNING lease"
+            )
+            .into(),
+            record: format!(
+                "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
+                 WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
+                   AND state = 'processing' AND locked_until > clock_timestamp()"
+            )
+            .into(),
+        }
+    }
+
+    async fn migrate(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
+        let mut tx = conn.begin().await?;
+        // Serialises instances that start together: concurrent CREATE TABLE IF NOT
+        // EXISTS can still collide in the catalog.
+        sqlx::query("SELECT pg_advisory_xact_lock(7306086953163416933)")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+
+    async fn lookup(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+    ) -> Result<Option<Found>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(sql.lookup.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .fetch_optional(conn)
+            .await?;
+        row.map(|row| {
+            Ok(Found {
+                completed: row.try_get::<&str, _>("state")? == "completed",
+                live: row.try_get("live")?,
+                fresh: row.try_get("fresh")?,
+                method: row.try_get("method")?,
+                path: row.try_get("path")?,
+                fingerprint: row.try_get("fingerprint")?,
+                status: row.try_get::<Option<i16>, _>("status")?.map(i32::from),
+                headers: row.try_get("headers")?,
+                body: row.try_get("body")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn claim<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+        lock_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<Option<Transaction<'c, Postgres>>, sqlx::Error> {
+        let begin = format!(
+            "BEGIN; SET LOCAL statement_timeout = {lock_ms}; \
+             SET LOCAL idle_in_transaction_session_timeout = {lock_ms}"
+        );
+        let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+        let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .bind(id.method)
+            .bind(id.path)
+            .bind(&id.fingerprint[..])
+            .bind(lock_ms)
+            .bind(ttl_ms)
+            .bind(advisory_key(&sql.table, id))
+            .fetch_optional(&mut *tx)
+            .await?;
+        if claimed.is_some() {
+            Ok(Some(tx))
+        } else {
+            tx.rollback().await?;
+            Ok(None)
+        }
+    }
+
+    async fn begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
+        conn.begin().await
+    }
+
+    async fn record<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+        response: Recorded<'c>,
+    ) -> Result<bool, sqlx::Error> {
+        let status = i16::try_from(response.status).unwrap_or(i16::MAX);
+        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .bind(status)
+            .bind(response.headers)
+            .bind(response.body)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        _conn: &mut PgConnection,
+        _sql: &Sql,
+        _id: &Identity<'_>,
+        _lease: i64,
+    ) -> Result<(), sqlx::Error> {
+        // The claim was part of the transaction that was just rolled back.
+        Ok(())
+    }
+}
+
+/// The seed of the advisory lock taken with a claim: 64 bits of SHA-256 over (table,
+/// scope, key); the SQL mixes in the schema. A collision between two live keys only
+/// makes one of them answer 409 for a moment.
+fn advisory_key(table: &str, id: &Identity<'_>) -> i64 {
+    let mut hash = Sha256::new();
+    for part in [table, id.scope, id.key] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}

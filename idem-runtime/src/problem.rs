@@ -1,0 +1,176 @@
+//! RFC 9457 `application/problem+json` answers for every case idem answers itself.
+
+use std::fmt::{self, Write as _};
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// Why idem answered a request itself instead of (or after) running the handler.
+///
+/// Each case has a fixed status and a stable problem `type`: the store's problem base
+/// URI (see [`Builder::problem_base`](crate::Builder::problem_base)) followed by
+/// [`slug`](Self::slug), e.g. `urn:idem:problem:in-flight`.
+///
+/// # Examples
+///
+/// ```
+/// use http::StatusCode;
+/// use idem_runtime::Problem;
+///
+/// assert_eq!(Problem::InFlight.status(), StatusCode::CONFLICT);
+/// assert_eq!(Problem::InFlight.slug(), "in-flight");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: the endpoint is `required` and the request has no `Idempotency-Key`.
+    MissingKey,
+    /// 400: the `Idempotency-Key` header is malformed or repeated.
+    InvalidKey,
+    /// 409: an earlier request with this key is still being executed. Carries
+    /// `Retry-After: 1`.
+    InFlight,
+    /// 422: the key was first used with another method, path or body.
+    PayloadMismatch,
+    /// 413: the request body is larger than the endpoint accepts.
+    PayloadTooLarge,
+    /// 503: the handler ran past its `lock`; its work was rolled back and the key
+    /// released, so a retry runs it again. Carries `Retry-After: 1`.
+    LeaseExpired,
+    /// 500: the handler's response is larger than the store keeps; its work was
+    /// rolled back and the key released rather than leave a partial record.
+    ResponseTooLarge,
+    /// 500: the handler panicked or its response body failed; its work was rolled back.
+    HandlerFailed,
+    /// 503: the database could not be reached or failed mid-request. Nothing was
+    /// committed unless the failure struck the commit itself, and a retry finds
+    /// either the stored response or a free key. Carries `Retry-After: 1`.
+    StoreUnavailable,
+}
+
+impl Problem {
+    /// The HTTP status this problem is answered with.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey => StatusCode::BAD_REQUEST,
+            Self::InFlight => StatusCode::CONFLICT,
+            Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::ResponseTooLarge | Self::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::LeaseExpired | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The last segment of the problem `type` URI; stable across releases.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Self::MissingKey => "missing-key",
+            Self::InvalidKey => "invalid-key",
+            Self::InFlight => "in-flight",
+            Self::PayloadMismatch => "payload-mismatch",
+            Self::PayloadTooLarge => "payload-too-large",
+            Self::LeaseExpired => "lease-expired",
+            Self::ResponseTooLarge => "response-too-large",
+            Self::HandlerFailed => "handler-failed",
+            Self::StoreUnavailable => "store-unavailable",
+        }
+    }
+
+    /// The short, human-readable summary sent as `title`.
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::MissingKey => "Idempotency-Key header required",
+            Self::InvalidKey => "Invalid Idempotency-Key header",
+            Self::InFlight => "Request with this key is in flight",
+            Self::PayloadMismatch => "Idempotency-Key reused with another request",
+            Self::PayloadTooLarge => "Request body too large",
+            Self::LeaseExpired => "Request ran past its lock and was rolled back",
+            Self::ResponseTooLarge => "Response too large to store",
+            Self::HandlerFailed => "Request handler failed",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+        }
+    }
+
+    /// Whether the answer carries `Retry-After: 1`.
+    pub fn retry_after(self) -> bool {
+        matches!(
+            self,
+            Self::InFlight | Self::LeaseExpired | Self::StoreUnavailable
+        )
+    }
+
+    /// Renders the problem+json response, with `type` = `base` + [`slug`](Self::slug).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idem_runtime::Problem;
+    ///
+    /// let response = Problem::MissingKey.to_response("https://api.example.com/problems/", "send one");
+    /// assert_eq!(response.status(), 400);
+    /// assert_eq!(response.headers()["content-type"], "application/problem+json");
+    /// assert!(response.body().starts_with(br#"{"type":"https://api.example.com/problems/missing-key""#));
+    /// ```
+    pub fn to_response(self, base: &str, detail: &str) -> Response<Bytes> {
+        let mut body = String::with_capacity(160 + detail.len());
+        body.push_str("{\"type\":");
+        json_string(&mut body, &[base, self.slug()]);
+        body.push_str(",\"title\":");
+        json_string(&mut body, &[self.title()]);
+        let _ = write!(body, ",\"status\":{},\"detail\":", self.status().as_u16());
+        json_string(&mut body, &[detail]);
+        body.push('}');
+
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if self.retry_after() {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.title())
+    }
+}
+
+/// Appends the concatenation of `parts` as one JSON string literal.
+fn json_string(out: &mut String, parts: &[&str]) {
+    out.push('"');
+    for c in parts.iter().flat_map(|p| p.chars()) {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detail_is_escaped() {
+        let response = Problem::InFlight.to_response("urn:x:", "a \"quoted\"\n\\ \u{1}");
+        assert_eq!(
+            response.body().as_ref(),
+            br#"{"type":"urn:x:in-flight","title":"Request with this key is in flight","status":409,"detail":"a \"quoted\"\n\\ \u0001"}"#
+        );
+        assert_eq!(response.headers()["retry-after"], "1");
+    }
+}

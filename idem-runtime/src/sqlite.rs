@@ -1,0 +1,185 @@
+//! SQLite: a committed claim with a lease, then the handler's own transaction.
+//!
+//! SQLite has one writer at a time, and a write transaction holds it from `BEGIN
+//! IMMEDIATE` to `COMMIT`. A claim inside the handler's transaction would make every
+//! duplicate queue behind that lock instead of answering 409 at once, so here the
+//! claim is its own short autocommit statement: a `processing` row with a random
+//! lease and `locked_until`. Readers are never blocked in WAL mode, so a duplicate
+//! sees the committed claim and answers 409 while the handler runs.
+//!
+//! - The handler's transaction begins `IMMEDIATE`: a deferred transaction that reads
+//!   and then writes fails with `SQLITE_BUSY` as soon as another writer committed in
+//!   between, and the record at its end always writes. The claim is one autocommit
+//!   statement, which takes the write lock before reading.
+//! - A handler holds the database's only write lock for as long as its transaction
+//!   is open: handlers that write through `Tx` run one at a time. Keep slow calls
+//!   (a payment provider) out of the window if you can, and run SQLite where its
+//!   single writer is enough.
+//! - A crashed process leaves a `processing` row; once `locked_until` has passed a
+//!   retry takes it over with a compare-and-swap in the claim's upsert. The record
+//!   is conditional on the lease and on `locked_until` by SQLite's clock, in the
+//!   same transaction as the handler's writes, so an executor that lost its lease
+//!   commits nothing. After a rollback the claim is deleted, under the same lease.
+//! - Times are Unix milliseconds from `julianday('now')`, which SQLite keeps fixed
+//!   for the whole of one statement.
+//!
+//! Connect with `journal_mode = WAL` and a `busy_timeout` of a few seconds (sqlx's
+//! default is 5 s).
+
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
+
+use crate::backend::{Found, Identity, Recorded, sealed::Store};
+
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Sql {
+    lookup: Arc<str>,
+    claim: Arc<str>,
+    record: Arc<str>,
+    release: Arc<str>,
+}
+
+impl Store for Sqlite {
+    type Sql = Sql;
+
+    const MIGRATION: &'static str =
+        include_str!("../../migrations/sqlite/0001_idempotency_keys.sql");
+
+    fn sql(table: &str) -> Sql {
+        Sql {
+            lookup: format!(
+                "SELECT state, method, path, fingerprint, status, headers, body, \
+                        locked_until > {NOW_MS} AS live, expires_at > {NOW_MS} AS fresh \
+                 FROM {table} WHERE scope = ?1 AND idempotency_key = ?2"
+            )
+            .into(),
+            claim: format!(
+                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                        fingerprint, locked_until, expires_at, created_at) \
+                 VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, {NOW_MS}) \
+                 ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
+                        state = 'processing', lease = excluded.lease, method = excluded.method, \
+                        path = excluded.path, fingerprint = excluded.fingerprint, status = NULL, \
+                        headers = NULL, body = NULL, locked_until = excluded.locked_until, \
+                        expires_at = excluded.expires_at, created_at = excluded.created_at \
+                 WHERE {table}.expires_at <= {NOW_MS} \
+                    OR ({table}.state = 'processing' AND {table}.locked_until <= {NOW_MS}) \
+                 RETURNING lease"
+            )
+            .into(),
+            record: format!(
+                "UPDATE {table} SET state = 'completed', status = ?4, headers = ?5, body = ?6 \
+                 WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 \
+                   AND state = 'processing' AND locked_until > {NOW_MS}"
+            )
+            .into(),
+            release: format!(
+                "DELETE FROM {table} \
+                 WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 AND state = 'processing'"
+            )
+            .into(),
+        }
+    }
+
+    async fn migrate(conn: &mut SqliteConnection, script: &str) -> Result<(), sqlx::Error> {
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+
+    async fn lookup(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+    ) -> Result<Option<Found>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(sql.lookup.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .fetch_optional(conn)
+            .await?;
+        row.map(|row| {
+            Ok(Found {
+                completed: row.try_get::<&str, _>("state")? == "completed",
+                live: row.try_get("live")?,
+                fresh: row.try_get("fresh")?,
+                method: row.try_get("method")?,
+                path: row.try_get("path")?,
+                fingerprint: row.try_get("fingerprint")?,
+                status: row.try_get("status")?,
+                headers: row.try_get("headers")?,
+                body: row.try_get("body")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn claim<'c>(
+        conn: &'c mut SqliteConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+        lock_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<Option<Transaction<'c, Sqlite>>, sqlx::Error> {
+        let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .bind(id.method)
+            .bind(id.path)
+            .bind(&id.fingerprint[..])
+            .bind(lock_ms)
+            .bind(ttl_ms)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if claimed.is_none() {
+            return Ok(None);
+        }
+        // If this fails the claim is committed: the engine releases it.
+        conn.begin_with("BEGIN IMMEDIATE").await.map(Some)
+    }
+
+    async fn begin(conn: &mut SqliteConnection) -> Result<Transaction<'_, Sqlite>, sqlx::Error> {
+        conn.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn record<'c>(
+        conn: &'c mut SqliteConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+        response: Recorded<'c>,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .bind(response.status)
+            .bind(response.headers)
+            .bind(response.body)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        lease: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(sql.release.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}

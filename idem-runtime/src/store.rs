@@ -1,0 +1,243 @@
+//! The store handle users keep in their application state.
+
+use std::fmt;
+use std::sync::Arc;
+
+use sqlx::Pool;
+
+use crate::backend::Backend;
+
+/// Name of the key table unless [`Builder::table`] says otherwise.
+pub const DEFAULT_TABLE: &str = "idempotency_keys";
+
+/// Default base of problem `type` URIs: `urn:idem:problem:in-flight` and so on.
+pub const DEFAULT_PROBLEM_BASE: &str = "urn:idem:problem:";
+
+/// Default largest response body kept for replay: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// The idempotency store: a connection pool of your own database plus store-wide
+/// settings. Cheap to clone; put it in your axum state and reach it with `FromRef`.
+///
+/// # Examples
+///
+/// ```rust,no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_runtime::Idempotency;
+/// use sqlx::sqlite::SqlitePool;
+///
+/// let pool = SqlitePool::connect("sqlite://payments.db?mode=rwc").await?;
+/// let idempotency = Idempotency::builder(pool)
+///     .table("api_idempotency_keys")
+///     .problem_base("https://api.example.com/problems/")
+///     .max_response_bytes(256 * 1024)
+///     .build()?;
+/// idempotency.migrate().await?;
+/// # Ok(()) }
+/// ```
+pub struct Idempotency<DB: Backend> {
+    pub(crate) inner: Arc<Inner<DB>>,
+}
+
+pub(crate) struct Inner<DB: Backend> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) table: Box<str>,
+    pub(crate) problem_base: Box<str>,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) sql: DB::Sql,
+}
+
+impl<DB: Backend> Clone for Idempotency<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: Backend> fmt::Debug for Idempotency<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("backend", &DB::NAME)
+            .field("table", &self.inner.table)
+            .field("problem_base", &self.inner.problem_base)
+            .field("max_response_bytes", &self.inner.max_response_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Idempotency<DB> {
+    /// A store on `pool` with the default settings: table `idempotency_keys`,
+    /// problem types under `urn:idem:problem:`, responses up to 1 MiB.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # async fn demo() -> Result<(), sqlx::Error> {
+    /// use idem_runtime::Idempotency;
+    ///
+    /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// let idempotency = Idempotency::new(pool);
+    /// idempotency.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::from_parts(
+            pool,
+            DEFAULT_TABLE.into(),
+            DEFAULT_PROBLEM_BASE.into(),
+            DEFAULT_MAX_RESPONSE_BYTES,
+        )
+    }
+
+    /// Starts a store with non-default settings.
+    pub fn builder(pool: Pool<DB>) -> Builder<DB> {
+        Builder {
+            pool,
+            table: DEFAULT_TABLE.into(),
+            problem_base: DEFAULT_PROBLEM_BASE.into(),
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+        }
+    }
+
+    fn from_parts(
+        pool: Pool<DB>,
+        table: Box<str>,
+        problem_base: Box<str>,
+        max_response_bytes: usize,
+    ) -> Self {
+        let sql = DB::sql(&table);
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                table,
+                problem_base,
+                max_response_bytes,
+                sql,
+            }),
+        }
+    }
+
+    /// The pool the store (and the handlers' transactions) draw connections from.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// The key table's name.
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// The base of problem `type` URIs.
+    pub fn problem_base(&self) -> &str {
+        &self.inner.problem_base
+    }
+
+    /// The largest response body the store keeps for replay.
+    pub fn max_response_bytes(&self) -> usize {
+        self.inner.max_response_bytes
+    }
+
+    /// The SQL that creates the key table, for this backend and table name. The same
+    /// text, for the default name, is in `migrations/<backend>/` of the repository, to
+    /// copy into your own migration tool.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # fn demo(idempotency: idem_runtime::Idempotency<sqlx::Sqlite>) {
+    /// println!("{}", idempotency.migration_sql());
+    /// # }
+    /// ```
+    pub fn migration_sql(&self) -> String {
+        DB::MIGRATION.replace(DEFAULT_TABLE, &self.inner.table)
+    }
+
+    /// Creates the key table and its index if they do not exist. Safe to call from
+    /// every instance at start-up.
+    ///
+    /// # Errors
+    ///
+    /// Any database error.
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        DB::migrate(&mut conn, &self.migration_sql()).await
+    }
+}
+
+/// Settings for an [`Idempotency`] store; see [`Idempotency::builder`].
+#[derive(Debug)]
+#[must_use]
+pub struct Builder<DB: Backend> {
+    pool: Pool<DB>,
+    table: Box<str>,
+    problem_base: Box<str>,
+    max_response_bytes: usize,
+}
+
+impl<DB: Backend> Builder<DB> {
+    /// The key table: a plain SQL identifier (letters, digits, `_`, at most 48
+    /// characters, not starting with a digit). Choose the schema through the
+    /// connection's search path.
+    pub fn table(mut self, table: &str) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The base that problem `type` URIs start with, e.g.
+    /// `https://api.example.com/problems/`.
+    pub fn problem_base(mut self, base: &str) -> Self {
+        self.problem_base = base.into();
+        self
+    }
+
+    /// The largest response body kept for replay. A larger response is not
+    /// recorded: its transaction is rolled back, the key released, and the client
+    /// gets 500 `response-too-large`; a partial record is never kept.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.max_response_bytes = max;
+        self
+    }
+
+    /// Builds the store.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] when the table name is not a plain identifier.
+    pub fn build(self) -> Result<Idempotency<DB>, ConfigError> {
+        let valid = !self.table.is_empty()
+            && self.table.len() <= 48
+            && !self.table.starts_with(|c: char| c.is_ascii_digit())
+            && self
+                .table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(ConfigError { table: self.table });
+        }
+        Ok(Idempotency::from_parts(
+            self.pool,
+            self.table,
+            self.problem_base,
+            self.max_response_bytes,
+        ))
+    }
+}
+
+/// A store setting was refused by [`Builder::build`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    table: Box<str>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid idempotency table name {:?}: use letters, digits and `_`, at most 48 characters, not starting with a digit",
+            self.table
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}

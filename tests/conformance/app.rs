@@ -1,0 +1,251 @@
+//! The application under test: one business write per execution, steered by headers
+//! that are not part of the request's identity.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{FromRef, State};
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use idem::axum::IdempotentRequest;
+use idem::{Idempotency, Options, Outcome};
+use tower::ServiceExt as _;
+
+use crate::harness::Harness;
+
+pub struct App<H: Harness> {
+    store: Idempotency<H::DB>,
+}
+
+impl<H: Harness> Clone for App<H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<H: Harness> FromRef<App<H>> for Idempotency<H::DB> {
+    fn from_ref(app: &App<H>) -> Self {
+        app.store.clone()
+    }
+}
+
+pub fn router<H: Harness>(harness: &H) -> Router {
+    Router::new()
+        .route("/effects", post(effect::<H>).put(effect::<H>))
+        .route("/other", post(effect::<H>))
+        .with_state(App::<H> {
+            store: harness.store().clone(),
+        })
+}
+
+fn number(headers: &HeaderMap, name: &str) -> u64 {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn effect<H: Harness>(
+    State(_): State<App<H>>,
+    request: IdempotentRequest<H::DB>,
+) -> Response {
+    let headers = request.parts().headers.clone();
+    let scope = headers
+        .get("x-scope")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("anonymous")
+        .to_owned();
+    let mut options = Options::new().required(headers.contains_key("x-required"));
+    if let n @ 1.. = number(&headers, "x-lock-ms") {
+        options = options.lock(Duration::from_millis(n));
+    }
+    if let n @ 1.. = number(&headers, "x-ttl-ms") {
+        options = options.ttl(Duration::from_millis(n));
+    }
+    let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
+    let block = Duration::from_millis(number(&headers, "x-block-ms"));
+    let big = usize::try_from(number(&headers, "x-big")).unwrap_or(0);
+    let status = StatusCode::from_u16(u16::try_from(number(&headers, "x-status")).unwrap_or(0))
+        .unwrap_or(StatusCode::CREATED);
+    let panics = headers.contains_key("x-panic");
+    let note = String::from_utf8_lossy(request.body()).into_owned();
+
+    request
+        .run(&scope.clone(), options, move |mut tx| {
+            Box::pin(async move {
+                let id = match H::insert_effect(&mut tx, &scope, &note).await {
+                    Ok(id) => id,
+                    Err(error) => {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+                            .into_response();
+                    }
+                };
+                if !sleep.is_zero() {
+                    tokio::time::sleep(sleep).await;
+                }
+                if !block.is_zero() {
+                    // A stall no timer can interrupt: the executor wakes after its lock.
+                    std::thread::sleep(block);
+                }
+                assert!(!panics, "handler asked to panic");
+                let nonce = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos());
+                let body = if big > 0 {
+                    "x".repeat(big)
+                } else {
+                    // Keys out of order: a JSON column would reorder them.
+                    format!(r#"{{"z":1,"id":{id},"nonce":"{nonce}","a":2}}"#)
+                };
+                Response::builder()
+                    .status(status)
+                    .header("content-type", "application/json")
+                    .header("x-custom", "kept")
+                    .header("set-cookie", "session=abc; HttpOnly")
+                    .header("location", format!("/effects/{id}"))
+                    .body(Body::from(body))
+                    .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+            })
+        })
+        .await
+}
+
+/// One request as a test client sends it.
+#[derive(Clone, Debug)]
+pub struct Req {
+    pub method: Method,
+    pub path: String,
+    pub scope: String,
+    pub keys: Vec<String>,
+    pub body: String,
+    pub extra: Vec<(String, String)>,
+}
+
+impl Req {
+    pub fn post(scope: &str, key: &str, body: &str) -> Self {
+        Self {
+            method: Method::POST,
+            path: "/effects".to_owned(),
+            scope: scope.to_owned(),
+            keys: vec![key.to_owned()],
+            body: body.to_owned(),
+            extra: Vec::new(),
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: impl ToString) -> Self {
+        self.extra.push((name.to_owned(), value.to_string()));
+        self
+    }
+
+    pub fn method(mut self, method: Method) -> Self {
+        self.method = method;
+        self
+    }
+
+    pub fn path(mut self, path: &str) -> Self {
+        self.path = path.to_owned();
+        self
+    }
+
+    pub fn keys(mut self, keys: &[&str]) -> Self {
+        self.keys = keys.iter().map(|k| (*k).to_owned()).collect();
+        self
+    }
+
+    pub fn body(mut self, body: &str) -> Self {
+        self.body = body.to_owned();
+        self
+    }
+
+    pub fn build(&self) -> Request<Body> {
+        let mut builder = Request::builder()
+            .method(self.method.clone())
+            .uri(&self.path)
+            .header("x-scope", &self.scope);
+        for key in &self.keys {
+            builder = builder.header("idempotency-key", key);
+        }
+        for (name, value) in &self.extra {
+            builder = builder.header(name, value);
+        }
+        builder
+            .body(Body::from(self.body.clone()))
+            .expect("valid request")
+    }
+
+    /// The raw HTTP/1.1 bytes, for tests that talk TCP.
+    pub fn wire(&self) -> Vec<u8> {
+        let mut out = format!(
+            "{} {} HTTP/1.1\r\nhost: localhost\r\nx-scope: {}\r\ncontent-length: {}\r\n",
+            self.method,
+            self.path,
+            self.scope,
+            self.body.len()
+        );
+        for key in &self.keys {
+            out.push_str(&format!("idempotency-key: {key}\r\n"));
+        }
+        for (name, value) in &self.extra {
+            out.push_str(&format!("{name}: {value}\r\n"));
+        }
+        out.push_str("\r\n");
+        out.push_str(&self.body);
+        out.into_bytes()
+    }
+}
+
+/// A response as the client saw it.
+#[derive(Clone, Debug)]
+pub struct Got {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub outcome: Option<Outcome>,
+}
+
+impl Got {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The problem `type` slug of a problem+json answer.
+    pub fn problem(&self) -> Option<String> {
+        if self.header("content-type") != Some("application/problem+json") {
+            return None;
+        }
+        let text = self.text();
+        let start =
+            text.find(r#""type":"urn:idem:problem:"#)? + r#""type":"urn:idem:problem:"#.len();
+        let end = text[start..].find('"')? + start;
+        Some(text[start..end].to_owned())
+    }
+}
+
+pub async fn send(app: &Router, req: &Req) -> Got {
+    let response = app
+        .clone()
+        .oneshot(req.build())
+        .await
+        .expect("router is infallible");
+    let outcome = response.extensions().get::<Outcome>().copied();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Got {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+        outcome,
+    }
+}

@@ -1,0 +1,390 @@
+//! One fresh database per test, on each backend, and the SQL the suite needs there.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idem::{Backend, Idempotency, Tx};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{Connection, PgPool, Postgres, Row, Sqlite, SqlitePool};
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What one stored key row holds, read back raw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRow {
+    pub state: String,
+    pub method: String,
+    pub path: String,
+    pub fingerprint: Vec<u8>,
+    pub status: Option<i32>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<Vec<u8>>,
+}
+
+/// A backend under test: a private database, the business table `effects`, and
+/// read-backs of what the database holds.
+pub trait Harness: Send + Sync + Sized + 'static {
+    type DB: Backend;
+
+    /// `None` when the backend is not reachable outside CI (the caller says so).
+    fn start(max_response_bytes: usize) -> impl Future<Output = Option<Self>> + Send;
+
+    fn store(&self) -> &Idempotency<Self::DB>;
+
+    /// The business write a handler makes: one row in `effects`, returning its id.
+    fn insert_effect<'a>(
+        tx: &'a mut Tx<'_, Self::DB>,
+        scope: &'a str,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>>;
+
+    fn effects(&self, scope: &str) -> impl Future<Output = i64> + Send;
+
+    fn key_rows(&self, scope: &str) -> impl Future<Output = Vec<(String, KeyRow)>> + Send;
+
+    /// What a crashed executor leaves: a `processing` row whose lock ran out.
+    fn insert_stale_claim(
+        &self,
+        scope: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) -> impl Future<Output = ()> + Send;
+
+    /// Connections of this test's database still inside a transaction.
+    fn open_transactions(&self) -> impl Future<Output = i64> + Send;
+
+    fn finish(self) -> impl Future<Output = ()> + Send;
+}
+
+fn unique(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+// ---------------------------------------------------------------------------------
+
+pub struct Pg {
+    admin: PgPool,
+    pool: PgPool,
+    store: Idempotency<Postgres>,
+    schema: String,
+}
+
+impl Harness for Pg {
+    type DB = Postgres;
+
+    async fn start(max_response_bytes: usize) -> Option<Self> {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let options: PgConnectOptions = url.parse().expect("IDEM_TEST_POSTGRES_URL");
+        let admin = match PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone())
+            .await
+        {
+            Ok(admin) => admin,
+            Err(error) if !in_ci() => {
+                eprintln!(
+                    "SKIPPED: PostgreSQL not reachable at {url} ({error}); CI=true makes this a failure"
+                );
+                return None;
+            }
+            Err(error) => panic!("PostgreSQL not reachable at {url}: {error}"),
+        };
+        let schema = unique("idem_test");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .expect("create schema");
+        let pool = PgPoolOptions::new()
+            .max_connections(24)
+            .connect_with(
+                options
+                    .application_name(&schema)
+                    .options([("search_path", schema.as_str())]),
+            )
+            .await
+            .expect("connect to test schema");
+        sqlx::raw_sql(
+            "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, note TEXT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .expect("create effects");
+        let store = Idempotency::builder(pool.clone())
+            .max_response_bytes(max_response_bytes)
+            .build()
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        Some(Self {
+            admin,
+            pool,
+            store,
+            schema,
+        })
+    }
+
+    fn store(&self) -> &Idempotency<Postgres> {
+        &self.store
+    }
+
+    fn insert_effect<'a>(
+        tx: &'a mut Tx<'_, Postgres>,
+        scope: &'a str,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar("INSERT INTO effects (scope, note) VALUES ($1, $2) RETURNING id")
+                .bind(scope)
+                .bind(note)
+                .fetch_one(&mut **tx)
+                .await
+        })
+    }
+
+    async fn effects(&self, scope: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE scope = $1")
+            .bind(scope)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+    }
+
+    async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
+        let rows = sqlx::query(
+            "SELECT idempotency_key, state, method, path, fingerprint, status, headers, body \
+             FROM idempotency_keys WHERE scope = $1 ORDER BY idempotency_key",
+        )
+        .bind(scope)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read keys");
+        rows.iter()
+            .map(|row| {
+                (
+                    row.get("idempotency_key"),
+                    KeyRow {
+                        state: row.get("state"),
+                        method: row.get("method"),
+                        path: row.get("path"),
+                        fingerprint: row.get("fingerprint"),
+                        status: row.get::<Option<i16>, _>("status").map(i32::from),
+                        headers: row.get("headers"),
+                        body: row.get("body"),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    async fn insert_stale_claim(
+        &self,
+        scope: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES ($1, $2, 'processing', 42, $3, $4, $5, now() - interval '1 second', \
+                 now() + interval '1 hour', now() - interval '31 seconds')",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(method)
+        .bind(path)
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("insert stale claim");
+    }
+
+    async fn open_transactions(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&self.schema)
+        .fetch_one(&self.admin)
+        .await
+        .expect("read pg_stat_activity")
+    }
+
+    async fn finish(self) {
+        self.pool.close().await;
+        let drop = format!("DROP SCHEMA {} CASCADE", self.schema);
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&self.admin)
+            .await;
+        self.admin.close().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+pub struct Lite {
+    pool: SqlitePool,
+    store: Idempotency<Sqlite>,
+    path: PathBuf,
+}
+
+impl Lite {
+    fn connect_options(path: &PathBuf) -> SqliteConnectOptions {
+        SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10))
+    }
+}
+
+impl Harness for Lite {
+    type DB = Sqlite;
+
+    async fn start(max_response_bytes: usize) -> Option<Self> {
+        let path = std::env::temp_dir().join(format!("{}.db", unique("idem_test")));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(Self::connect_options(&path))
+            .await
+            .expect("open sqlite");
+        sqlx::raw_sql(
+            "CREATE TABLE effects (id INTEGER PRIMARY KEY AUTOINCREMENT, scope TEXT NOT NULL, note TEXT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .expect("create effects");
+        let store = Idempotency::builder(pool.clone())
+            .max_response_bytes(max_response_bytes)
+            .build()
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        Some(Self { pool, store, path })
+    }
+
+    fn store(&self) -> &Idempotency<Sqlite> {
+        &self.store
+    }
+
+    fn insert_effect<'a>(
+        tx: &'a mut Tx<'_, Sqlite>,
+        scope: &'a str,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar("INSERT INTO effects (scope, note) VALUES ($1, $2) RETURNING id")
+                .bind(scope)
+                .bind(note)
+                .fetch_one(&mut **tx)
+                .await
+        })
+    }
+
+    async fn effects(&self, scope: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE scope = $1")
+            .bind(scope)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+    }
+
+    async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
+        let rows = sqlx::query(
+            "SELECT idempotency_key, state, method, path, fingerprint, status, headers, body \
+             FROM idempotency_keys WHERE scope = $1 ORDER BY idempotency_key",
+        )
+        .bind(scope)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read keys");
+        rows.iter()
+            .map(|row| {
+                (
+                    row.get("idempotency_key"),
+                    KeyRow {
+                        state: row.get("state"),
+                        method: row.get("method"),
+                        path: row.get("path"),
+                        fingerprint: row.get("fingerprint"),
+                        status: row.get("status"),
+                        headers: row.get("headers"),
+                        body: row.get("body"),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    async fn insert_stale_claim(
+        &self,
+        scope: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) {
+        let now_ms = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES ($1, $2, 'processing', 42, $3, $4, $5, {now_ms} - 1000, {now_ms} + 3600000, \
+                 {now_ms} - 31000)"
+        )))
+        .bind(scope)
+        .bind(key)
+        .bind(method)
+        .bind(path)
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("insert stale claim");
+    }
+
+    async fn open_transactions(&self) -> i64 {
+        // SQLite cannot list other connections' transactions, but a writer that was
+        // left open holds the write lock: try to take it without waiting.
+        let mut probe = sqlx::SqliteConnection::connect_with(
+            &Self::connect_options(&self.path).busy_timeout(Duration::ZERO),
+        )
+        .await
+        .expect("open probe connection");
+        let held = match probe.begin_with("BEGIN IMMEDIATE").await {
+            Ok(tx) => {
+                tx.rollback().await.expect("rollback probe");
+                0
+            }
+            Err(_) => 1,
+        };
+        let _ = probe.close().await;
+        held
+    }
+
+    async fn finish(self) {
+        self.pool.close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = self.path.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

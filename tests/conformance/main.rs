@@ -1,0 +1,534 @@
+//! The conformance suite: SPEC §2–§5 and the invariants I1–I4, written once and run
+//! on every backend against a real database (one private schema or file per test).
+//!
+//! PostgreSQL is found at `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`); when it cannot be reached the
+//! PostgreSQL tests say SKIPPED, except under `CI=true`, where they fail.
+
+#![allow(missing_docs, unreachable_pub)]
+
+mod app;
+mod harness;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::Method;
+use idem::Outcome;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::Barrier;
+
+use app::{Got, Req, router, send};
+use harness::{Harness, Lite, Pg};
+
+const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
+
+/// Runs one suite test on backend `H`, sized for the default response limit.
+async fn start<H: Harness>() -> Option<H> {
+    H::start(idem::DEFAULT_MAX_RESPONSE_BYTES).await
+}
+
+async fn send_all(app: &axum::Router, reqs: Vec<Req>) -> Vec<Got> {
+    let barrier = Arc::new(Barrier::new(reqs.len()));
+    let tasks: Vec<_> = reqs
+        .into_iter()
+        .map(|req| {
+            let app = app.clone();
+            let barrier = Arc::clone(&barrier);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(&app, &req).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("request task"));
+    }
+    out
+}
+
+fn assert_in_flight(got: &Got) {
+    assert_eq!(got.status, 409, "{}", got.text());
+    assert_eq!(got.problem().as_deref(), Some("in-flight"));
+    assert_eq!(got.header("retry-after"), Some("1"));
+}
+
+/// I1, I2: any number of concurrent duplicates execute once; every 2xx is the same.
+async fn concurrent_duplicates_execute_once<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "storm-1", BODY).header("x-sleep-ms", 300);
+    let got = send_all(&app, vec![req.clone(); 50]).await;
+
+    let executed: Vec<_> = got
+        .iter()
+        .filter(|g| g.outcome == Some(Outcome::Executed))
+        .collect();
+    assert_eq!(executed.len(), 1, "exactly one execution");
+    for g in &got {
+        match g.status {
+            201 => assert_eq!(g.body, executed[0].body, "every 2xx is the first one"),
+            _ => assert_in_flight(g),
+        }
+    }
+    assert_eq!(h.effects("alice").await, 1, "one business row");
+    let after = send(&app, &req).await;
+    assert_eq!(after.outcome, Some(Outcome::Replayed));
+    assert_eq!(after.body, executed[0].body);
+    assert_eq!(h.effects("alice").await, 1);
+    let rows = h.key_rows("alice").await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].1.state, "completed");
+    h.finish().await;
+}
+
+/// I2: the replay carries status, stored headers and body bytes; never Set-Cookie.
+async fn replay_is_byte_identical_without_cookies<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "\"quoted-key\"", BODY);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert!(first.header("set-cookie").is_some());
+    assert!(first.header("idempotent-replayed").is_none());
+
+    // The same key, bare instead of quoted, is the same key.
+    let replay = send(&app, &Req::post("alice", "quoted-key", BODY)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, first.body, "body byte for byte");
+    assert!(
+        first.text().starts_with(r#"{"z":1,"id":"#),
+        "key order kept"
+    );
+    for name in ["content-type", "x-custom", "location"] {
+        assert_eq!(replay.header(name), first.header(name), "{name}");
+    }
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert!(
+        replay.header("set-cookie").is_none(),
+        "cookies are not stored"
+    );
+    let stored = &h.key_rows("alice").await[0].1;
+    let headers = String::from_utf8_lossy(stored.headers.as_deref().unwrap_or_default());
+    assert!(!headers.to_ascii_lowercase().contains("set-cookie"));
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// §2, §3: another body, method, path or query under a used key is 422, and the
+/// stored record does not change.
+async fn mismatch_is_refused_and_record_untouched<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-mismatch", BODY);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201);
+    let before = h.key_rows("alice").await;
+
+    let others = [
+        req.clone().body(r#"{"amount":999,"currency":"JPY"}"#),
+        req.clone().method(Method::PUT),
+        req.clone().path("/other"),
+        req.clone().path("/effects?dry_run=1"),
+    ];
+    for other in &others {
+        let got = send(&app, other).await;
+        assert_eq!(got.status, 422, "{other:?}: {}", got.text());
+        assert_eq!(got.problem().as_deref(), Some("payload-mismatch"));
+        assert_eq!(got.outcome, Some(Outcome::Mismatch));
+    }
+    assert_eq!(h.key_rows("alice").await, before, "record untouched");
+    assert_eq!(h.effects("alice").await, 1);
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    h.finish().await;
+}
+
+/// I3: the same key under two scopes is two requests; neither sees the other's answer.
+async fn scopes_are_isolated<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let pairs = [("alice", "k-1"), ("bob", "k-1"), ("a:b", "c"), ("a", "b:c")];
+    let mut firsts = Vec::new();
+    for (scope, key) in pairs {
+        let got = send(&app, &Req::post(scope, key, BODY)).await;
+        assert_eq!(got.outcome, Some(Outcome::Executed), "{scope}/{key}");
+        firsts.push(got);
+    }
+    for (i, (scope, key)) in pairs.iter().enumerate() {
+        let replay = send(&app, &Req::post(scope, key, BODY)).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed));
+        assert_eq!(replay.body, firsts[i].body, "{scope} sees its own response");
+        for (j, other) in firsts.iter().enumerate() {
+            if i != j {
+                assert_ne!(replay.body, other.body);
+            }
+        }
+        assert_eq!(h.effects(scope).await, 1);
+    }
+    h.finish().await;
+}
+
+/// §4.4, I1, I4: ≥ 500 and panics roll back and release at once; < 500 is recorded.
+async fn failures_roll_back_and_release_the_key<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-fail", BODY);
+
+    let failed = send(&app, &req.clone().header("x-status", 503)).await;
+    assert_eq!(failed.status, 503);
+    assert_eq!(failed.outcome, Some(Outcome::Released));
+    assert_eq!(h.effects("alice").await, 0, "business write rolled back");
+    assert!(h.key_rows("alice").await.is_empty(), "claim released");
+
+    let panicked = send(&app, &req.clone().header("x-panic", 1)).await;
+    assert_eq!(panicked.status, 500);
+    assert_eq!(panicked.problem().as_deref(), Some("handler-failed"));
+    assert_eq!(h.effects("alice").await, 0);
+    assert!(h.key_rows("alice").await.is_empty());
+
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed), "{}", retry.text());
+    assert_eq!(h.effects("alice").await, 1);
+
+    // A 4xx is an answer like any other: recorded with its writes, then replayed.
+    let declined = Req::post("alice", "k-402", BODY).header("x-status", 402);
+    let first = send(&app, &declined).await;
+    assert_eq!(
+        (first.status, first.outcome),
+        (402, Some(Outcome::Executed))
+    );
+    let again = send(&app, &Req::post("alice", "k-402", BODY)).await;
+    assert_eq!(
+        (again.status, again.outcome),
+        (402, Some(Outcome::Replayed))
+    );
+    assert_eq!(again.body, first.body);
+    assert_eq!(h.effects("alice").await, 2);
+    h.finish().await;
+}
+
+/// §4.1, §4.5: an executor stuck at an await past its lock is cancelled and rolled
+/// back; until then duplicates get 409; afterwards a retry runs.
+async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-hang", BODY).header("x-lock-ms", 1000);
+    let started = Instant::now();
+    let hung = {
+        let app = app.clone();
+        let req = req.clone().header("x-sleep-ms", 60_000);
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_in_flight(&send(&app, &req).await);
+
+    let hung = hung.await.expect("hung request");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "cancelled near its lock"
+    );
+    assert_eq!(hung.status, 503, "{}", hung.text());
+    assert_eq!(hung.problem().as_deref(), Some("lease-expired"));
+    assert_eq!(h.effects("alice").await, 0, "its write was rolled back");
+    assert!(
+        h.key_rows("alice").await.is_empty(),
+        "its claim was released"
+    );
+
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// §4.3, §4.5, I1: an executor that wakes after its lock cannot commit, while a
+/// retry that came after the lock completes; exactly one business row.
+async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-late", BODY).header("x-lock-ms", 1000);
+    let stalled = {
+        let app = app.clone();
+        let req = req.clone().header("x-block-ms", 2500);
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = send(&app, &req).await;
+    let stalled = stalled.await.expect("stalled request");
+
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(matches!(
+        retry.outcome,
+        Some(Outcome::Executed | Outcome::TakenOver)
+    ));
+    // 503 either way: fenced by its lease, or (PostgreSQL) its session already ended
+    // by the server at the lock.
+    assert_eq!(stalled.status, 503, "{}", stalled.text());
+    assert!(matches!(
+        stalled.outcome,
+        Some(Outcome::Released | Outcome::StoreFailed)
+    ));
+    assert_eq!(
+        h.effects("alice").await,
+        1,
+        "the late executor's write is gone"
+    );
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, retry.body);
+    h.finish().await;
+}
+
+/// §4.5: a claim left by a crashed executor is taken over by exactly one of many
+/// concurrent retries once its lock has passed.
+async fn stale_claim_is_taken_over_once<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    h.insert_stale_claim("alice", "k-crashed", "POST", "/effects", BODY.as_bytes())
+        .await;
+    let req = Req::post("alice", "k-crashed", BODY).header("x-sleep-ms", 200);
+    let got = send_all(&app, vec![req; 20]).await;
+    let took: Vec<_> = got
+        .iter()
+        .filter(|g| g.outcome == Some(Outcome::TakenOver))
+        .collect();
+    assert_eq!(took.len(), 1, "{got:?}");
+    for g in &got {
+        match g.status {
+            201 => assert_eq!(g.body, took[0].body),
+            _ => assert_in_flight(g),
+        }
+    }
+    assert_eq!(h.effects("alice").await, 1);
+    assert_eq!(h.key_rows("alice").await[0].1.state, "completed");
+
+    // A stale claim is still a claim on its request: another body is 422.
+    h.insert_stale_claim("alice", "k-crashed-2", "POST", "/effects", b"{}")
+        .await;
+    let other = send(&app, &Req::post("alice", "k-crashed-2", BODY)).await;
+    assert_eq!(other.status, 422);
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// §3: a key past its ttl is treated as never seen.
+async fn expired_key_executes_anew<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-ttl", BODY)
+        .header("x-ttl-ms", 1500)
+        .header("x-lock-ms", 1000);
+    let first = send(&app, &req).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(send(&app, &req).await.outcome, Some(Outcome::Replayed));
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let again = send(&app, &req).await;
+    assert_eq!(again.outcome, Some(Outcome::Executed));
+    assert_ne!(again.body, first.body);
+    assert_eq!(h.effects("alice").await, 2);
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.body, again.body);
+    h.finish().await;
+}
+
+/// §4.6 over TCP: clients that hang up mid-request leave no stuck claim and no
+/// transaction open; their retries get the replay.
+async fn disconnected_clients_leave_no_stuck_claim<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let server = tokio::spawn(axum::serve(listener, app.clone()).into_future());
+
+    let keys: Vec<String> = (0..8).map(|i| format!("k-gone-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        let req = Req::post("alice", key, BODY).header("x-sleep-ms", 400);
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&req.wire()).await.expect("send");
+        // Hang up at different moments of the request's life.
+        tokio::time::sleep(Duration::from_millis(20 + 40 * i as u64)).await;
+        drop(stream);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let rows = h.key_rows("alice").await;
+        if rows.len() == keys.len() && rows.iter().all(|(_, r)| r.state == "completed") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "claims stuck: {rows:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(h.effects("alice").await, keys.len() as i64);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        h.open_transactions().await,
+        0,
+        "no connection left in a transaction"
+    );
+
+    for key in &keys {
+        let req = Req::post("alice", key, BODY);
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&req.wire()).await.expect("send");
+        let mut head = vec![0u8; 4096];
+        let n = stream.read(&mut head).await.expect("read");
+        let head = String::from_utf8_lossy(&head[..n]).to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 201"), "{head}");
+        assert!(head.contains("idempotent-replayed: true"), "{head}");
+    }
+    assert_eq!(h.effects("alice").await, keys.len() as i64);
+    server.abort();
+    h.finish().await;
+}
+
+/// §4.6 at the future level: a caller dropped at any point still ends in a commit.
+async fn dropped_callers_still_complete<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    for i in 0..6u64 {
+        let req = Req::post("alice", &format!("k-drop-{i}"), BODY).header("x-sleep-ms", 200);
+        let app2 = app.clone();
+        let task = tokio::spawn(async move { send(&app2, &req).await });
+        tokio::time::sleep(Duration::from_millis(i * 50)).await;
+        task.abort();
+    }
+    // Let every detached execution end (each sleeps 200 ms), then look.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while h
+        .key_rows("alice")
+        .await
+        .iter()
+        .any(|(_, r)| r.state != "completed")
+    {
+        assert!(Instant::now() < deadline, "claims stuck");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let rows = h.key_rows("alice").await;
+    assert!(rows.iter().all(|(_, r)| r.state == "completed"), "{rows:?}");
+    // Callers aborted before their claim leave no row; the rest committed with it.
+    assert_eq!(h.effects("alice").await, rows.len() as i64);
+    assert_eq!(h.open_transactions().await, 0);
+    for i in 0..6u64 {
+        let got = send(&app, &Req::post("alice", &format!("k-drop-{i}"), BODY)).await;
+        assert!(
+            matches!(got.outcome, Some(Outcome::Replayed | Outcome::Executed)),
+            "{got:?}"
+        );
+    }
+    let rows = h.key_rows("alice").await;
+    assert_eq!(rows.len(), 6);
+    assert_eq!(h.effects("alice").await, 6, "one business row per key");
+    h.finish().await;
+}
+
+/// §2, §3: keys are validated before anything runs; no key runs unrecorded.
+async fn keys_are_validated<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let missing = send(
+        &app,
+        &Req::post("alice", "x", BODY)
+            .keys(&[])
+            .header("x-required", 1),
+    )
+    .await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(missing.problem().as_deref(), Some("missing-key"));
+
+    let long = "k".repeat(256);
+    let max = "k".repeat(255);
+    for keys in [
+        &["a", "b"][..],
+        &[""],
+        &[long.as_str()],
+        &["\"open"],
+        &["a b"],
+    ] {
+        let got = send(&app, &Req::post("alice", "x", BODY).keys(keys)).await;
+        assert_eq!(got.status, 400, "{keys:?}");
+        assert_eq!(got.problem().as_deref(), Some("invalid-key"), "{keys:?}");
+    }
+    assert_eq!(h.effects("alice").await, 0, "nothing ran");
+
+    let longest = send(&app, &Req::post("alice", &max, BODY)).await;
+    assert_eq!(longest.outcome, Some(Outcome::Executed));
+
+    let unkeyed = Req::post("alice", "x", BODY).keys(&[]);
+    for _ in 0..2 {
+        let got = send(&app, &unkeyed).await;
+        assert_eq!((got.status, got.outcome), (201, Some(Outcome::Unkeyed)));
+    }
+    assert_eq!(h.effects("alice").await, 3);
+    assert_eq!(
+        h.key_rows("alice").await.len(),
+        1,
+        "unkeyed requests store nothing"
+    );
+    h.finish().await;
+}
+
+/// A response over the store's limit is never half-recorded: rolled back, released.
+async fn oversized_response_is_rolled_back<H: Harness>() {
+    let Some(h) = H::start(1024).await else {
+        return;
+    };
+    let app = router(&h);
+    let req = Req::post("alice", "k-big", BODY);
+    let got = send(&app, &req.clone().header("x-big", 4096)).await;
+    assert_eq!(got.status, 500);
+    assert_eq!(got.problem().as_deref(), Some("response-too-large"));
+    assert_eq!(h.effects("alice").await, 0);
+    assert!(h.key_rows("alice").await.is_empty());
+
+    let fits = send(&app, &req.clone().header("x-big", 1024)).await;
+    assert_eq!(fits.outcome, Some(Outcome::Executed));
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.body, fits.body);
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+macro_rules! conformance {
+    ($($test:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<super::Pg>().await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<super::Lite>().await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    concurrent_duplicates_execute_once,
+    replay_is_byte_identical_without_cookies,
+    mismatch_is_refused_and_record_untouched,
+    scopes_are_isolated,
+    failures_roll_back_and_release_the_key,
+    hung_executor_is_cancelled_at_its_lock,
+    late_executor_cannot_commit_after_takeover,
+    stale_claim_is_taken_over_once,
+    expired_key_executes_anew,
+    disconnected_clients_leave_no_stuck_claim,
+    dropped_callers_still_complete,
+    keys_are_validated,
+    oversized_response_is_rolled_back,
+);

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
@@ -14,6 +14,7 @@ use http::{Method, Response, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt as _, Limited};
 use sha2::{Digest, Sha256};
+use sqlx::pool::PoolConnection;
 use sqlx::{Database, Transaction};
 use tracing::Instrument as _;
 
@@ -383,6 +384,7 @@ impl<DB: Backend> Idempotency<DB> {
             tracing::info!("taking over a claim whose lock had passed");
         }
 
+        let claimed_at = Instant::now();
         let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
         let ran = run_handler(
             &mut tx,
@@ -390,6 +392,7 @@ impl<DB: Backend> Idempotency<DB> {
             Some(lock),
             Some(self.inner.max_response_bytes),
         );
+        let clean;
         let (outcome, response) = match ran.await {
             Ran::Done(response) if !response.status().is_server_error() => {
                 let headers = encode_headers(response.headers());
@@ -409,27 +412,36 @@ impl<DB: Backend> Idempotency<DB> {
                             return (outcome, response);
                         }
                         // The commit may or may not have happened: a retry finds out.
-                        Err(error) => self.store_failed(&error),
+                        Err(error) => {
+                            clean = false;
+                            self.store_failed(&error)
+                        }
                     },
                     Ok(false) => {
-                        rollback(tx).await;
-                        let detail = "the request ran past its lock and was rolled back; retry with the same key";
-                        (
-                            Outcome::Released,
-                            self.problem(Problem::LeaseExpired, detail),
-                        )
+                        clean = rollback(tx).await;
+                        (Outcome::Released, self.lease_expired())
                     }
                     Err(error) => {
-                        rollback(tx).await;
-                        self.store_failed(&error)
+                        clean = rollback(tx).await;
+                        if claimed_at.elapsed() >= lock {
+                            // The server ended the session at its lock (PostgreSQL).
+                            tracing::warn!(%error, "session ended after the lock passed");
+                            (Outcome::Released, self.lease_expired())
+                        } else {
+                            self.store_failed(&error)
+                        }
                     }
                 }
             }
             ran => {
-                rollback(tx).await;
+                clean = rollback(tx).await;
                 (Outcome::Released, self.failed(ran))
             }
         };
+        if !clean {
+            // Whatever state the session is in, it is not handed to the next request.
+            conn.close_on_drop();
+        }
         if let Err(error) = DB::release(&mut conn, sql, &id, lease).await {
             // The key stays busy until its lock passes; then a retry takes it over.
             tracing::warn!(%error, "could not release the claim");
@@ -463,7 +475,7 @@ impl<DB: Backend> Idempotency<DB> {
 
     async fn run_unkeyed<F, B>(
         &self,
-        conn: &mut DB::Connection,
+        conn: &mut PoolConnection<DB>,
         handler: F,
     ) -> (Outcome, Response<Bytes>)
     where
@@ -475,18 +487,25 @@ impl<DB: Backend> Idempotency<DB> {
             Ok(tx) => tx,
             Err(error) => return self.store_failed(&error),
         };
-        match run_handler(&mut tx, handler, None, None).await {
+        let (outcome, response, clean) = match run_handler(&mut tx, handler, None, None).await {
             Ran::Done(response) if !response.status().is_server_error() => {
                 match tx.commit().await {
-                    Ok(()) => (Outcome::Unkeyed, response),
-                    Err(error) => self.store_failed(&error),
+                    Ok(()) => return (Outcome::Unkeyed, response),
+                    Err(error) => {
+                        let (outcome, response) = self.store_failed(&error);
+                        (outcome, response, false)
+                    }
                 }
             }
             ran => {
-                rollback(tx).await;
-                (Outcome::Unkeyed, self.failed(ran))
+                let clean = rollback(tx).await;
+                (Outcome::Unkeyed, self.failed(ran), clean)
             }
+        };
+        if !clean {
+            conn.close_on_drop();
         }
+        (outcome, response)
     }
 
     /// What a lookup means for this request.
@@ -530,6 +549,11 @@ impl<DB: Backend> Idempotency<DB> {
     fn in_flight(&self) -> Response<Bytes> {
         let detail = "a request with this Idempotency-Key is still being processed; retry later";
         self.problem(Problem::InFlight, detail)
+    }
+
+    fn lease_expired(&self) -> Response<Bytes> {
+        let detail = "the request ran past its lock and was rolled back; retry with the same key";
+        self.problem(Problem::LeaseExpired, detail)
     }
 
     fn store_failed(&self, error: &sqlx::Error) -> (Outcome, Response<Bytes>) {
@@ -624,9 +648,14 @@ where
     })
 }
 
-async fn rollback<DB: Database>(tx: Transaction<'_, DB>) {
-    if let Err(error) = tx.rollback().await {
-        tracing::warn!(%error, "rollback failed");
+/// Rolls back; `false` when that failed and the connection is suspect.
+async fn rollback<DB: Database>(tx: Transaction<'_, DB>) -> bool {
+    match tx.rollback().await {
+        Ok(()) => true,
+        Err(error) => {
+            tracing::warn!(%error, "rollback failed");
+            false
+        }
     }
 }
 

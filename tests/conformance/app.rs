@@ -1,6 +1,8 @@
 //! The application under test: one business write per execution, steered by headers
 //! that are not part of the request's identity.
 
+use std::collections::HashSet;
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -16,6 +18,23 @@ use idem::{Idempotency, Options, Outcome};
 use tower::ServiceExt as _;
 
 use crate::harness::Harness;
+
+/// Keys whose handler has started, i.e. whose claim is held: tests that drop a
+/// caller wait for this so the drop lands mid-execution.
+static STARTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+pub fn started(key: &str) -> bool {
+    STARTED
+        .lock()
+        .map(|set| set.as_ref().is_some_and(|set| set.contains(key)))
+        .unwrap_or(false)
+}
+
+fn mark_started(key: String) {
+    if let Ok(mut set) = STARTED.lock() {
+        set.get_or_insert_with(HashSet::new).insert(key);
+    }
+}
 
 pub struct App<H: Harness> {
     store: Idempotency<H::DB>,
@@ -76,6 +95,7 @@ async fn effect<H: Harness>(
         .unwrap_or(StatusCode::CREATED);
     let panics = headers.contains_key("x-panic");
     let note = String::from_utf8_lossy(request.body()).into_owned();
+    let key = request.key().map(|k| k.as_str().to_owned());
 
     request
         .run(&scope.clone(), options, move |mut tx| {
@@ -87,6 +107,9 @@ async fn effect<H: Harness>(
                             .into_response();
                     }
                 };
+                if let Some(key) = key {
+                    mark_started(key);
+                }
                 if !sleep.is_zero() {
                     tokio::time::sleep(sleep).await;
                 }

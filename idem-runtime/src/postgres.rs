@@ -12,11 +12,13 @@
 //!   waits.
 //!   The lock is held exactly as long as the executor's transaction, so a live
 //!   executor is never taken over.
-//! - A stuck executor cannot hold its key past `lock`: the transaction sets
-//!   `statement_timeout` and `idle_in_transaction_session_timeout` to `lock`, so the
-//!   server ends it even if the application process is frozen, and the record is
-//!   conditional on `locked_until > clock_timestamp()`. `clock_timestamp()`, not
-//!   `now()`: `now()` is the time the transaction started.
+//! - A stuck executor cannot hold its key past `lock`: the claim statement also sets
+//!   `statement_timeout` and `idle_in_transaction_session_timeout` to `lock` for its
+//!   transaction (`set_config(.., true)`, no extra round trip), so the server ends it
+//!   even if the application process is frozen; the engine cancels the handler at
+//!   the same deadline; and the record is conditional on
+//!   `locked_until > clock_timestamp()`. `clock_timestamp()`, not `now()`: `now()` is
+//!   the time the transaction started.
 //! - A `processing` row is never committed by this backend, but one left by another
 //!   writer and past `locked_until` is taken over by compare-and-swap in the claim.
 
@@ -60,6 +62,8 @@ impl Store for Postgres {
                         clock_timestamp() + $8::float8 * interval '1 millisecond', \
                         clock_timestamp() \
                  WHERE pg_try_advisory_xact_lock(hashtextextended(current_schema(), $9)) \
+                   AND set_config('statement_timeout', $10, true) IS NOT NULL \
+                   AND set_config('idle_in_transaction_session_timeout', $10, true) IS NOT NULL \
                  ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
                         state = 'processing', lease = excluded.lease, method = excluded.method, \
                         path = excluded.path, fingerprint = excluded.fingerprint, status = NULL, \
@@ -126,11 +130,7 @@ impl Store for Postgres {
         lock_ms: i64,
         ttl_ms: i64,
     ) -> Result<Option<Transaction<'c, Postgres>>, sqlx::Error> {
-        let begin = format!(
-            "BEGIN; SET LOCAL statement_timeout = {lock_ms}; \
-             SET LOCAL idle_in_transaction_session_timeout = {lock_ms}"
-        );
-        let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+        let mut tx = conn.begin().await?;
         let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
             .bind(id.scope)
             .bind(id.key)
@@ -141,6 +141,7 @@ impl Store for Postgres {
             .bind(lock_ms)
             .bind(ttl_ms)
             .bind(advisory_key(&sql.table, id))
+            .bind(lock_ms.to_string())
             .fetch_optional(&mut *tx)
             .await?;
         if claimed.is_some() {

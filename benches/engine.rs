@@ -1,0 +1,396 @@
+//! What exactly-once costs at the engine level, without HTTP in the way.
+//!
+//! ```text
+//! cargo bench --bench engine                # 5 s per variant, 32 workers
+//! cargo bench --bench engine -- --secs 2 --workers 16
+//! ```
+//!
+//! Every variant makes the same business write (one INSERT in a transaction):
+//! - `bare`: the write alone, `pool.begin()` … `commit()`;
+//! - `hand-written` (PostgreSQL): the design floor, written by hand: a primary-key
+//!   read, then claim + write + record in one transaction;
+//! - `idem-first`: `Idempotency::execute` with a new key per request;
+//! - `idem-replay`: `Idempotency::execute` on keys already completed;
+//! - `idem-first +Nms` (SQLite): the handler also waits N ms inside its
+//!   transaction, as a handler calling a payment provider would: SQLite's single
+//!   writer makes that wait serial.
+//!
+//! PostgreSQL comes from `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`) and is skipped if unreachable.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Response, StatusCode, Uri};
+use http_body_util::Full;
+use idem::{Backend, Idempotency, IdempotencyKey, Options, RequestIdentity};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, Pool, Sqlite};
+
+struct Settings {
+    secs: u64,
+    workers: usize,
+}
+
+struct Row {
+    backend: &'static str,
+    variant: String,
+    requests: u64,
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// Runs `op(worker, n)` from `workers` tasks for `secs` seconds (after a one-second
+/// warm-up) and reports throughput and latency.
+async fn measure<F, Fut>(settings: &Settings, op: F) -> (u64, f64, Duration, Duration)
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    let counter = Arc::new(AtomicU64::new(0));
+    let warm_until = Instant::now() + Duration::from_secs(1);
+    let until = warm_until + Duration::from_secs(settings.secs);
+    let tasks: Vec<_> = (0..settings.workers)
+        .map(|worker| {
+            let op = Arc::clone(&op);
+            let counter = Arc::clone(&counter);
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                loop {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    let started = Instant::now();
+                    if started >= until {
+                        break;
+                    }
+                    op(worker, n).await;
+                    if started >= warm_until {
+                        latencies.push(started.elapsed());
+                    }
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.expect("worker"));
+    }
+    all.sort();
+    let pick = |q: f64| {
+        all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    let n = all.len() as u64;
+    (n, n as f64 / settings.secs as f64, pick(0.5), pick(0.99))
+}
+
+fn ok_response() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(br#"{"ok":true}"#)));
+    *response.status_mut() = StatusCode::CREATED;
+    response
+}
+
+fn identity(key: &str) -> RequestIdentity {
+    let key = IdempotencyKey::parse(key.as_bytes()).ok();
+    let uri = Uri::from_static("/effects");
+    RequestIdentity::new(key, "bench", &Method::POST, &uri, br#"{"amount":1}"#)
+}
+
+/// `idem-first` and `idem-replay` for one backend; `insert` is its business write.
+async fn idem_variants<DB: Backend>(
+    settings: &Settings,
+    backend: &'static str,
+    store: Idempotency<DB>,
+    insert: &'static str,
+    wait: Duration,
+    rows: &mut Vec<Row>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    let run = move |store: Idempotency<DB>, key: String| async move {
+        let response = store
+            .execute(identity(&key), Options::new(), move |mut tx| {
+                Box::pin(async move {
+                    let done = sqlx::query(insert).execute(&mut *tx).await;
+                    if !wait.is_zero() {
+                        tokio::time::sleep(wait).await;
+                    }
+                    match done {
+                        Ok(_) => ok_response(),
+                        Err(error) => panic!("business write failed: {error}"),
+                    }
+                })
+            })
+            .await;
+        assert!(response.status().is_success(), "{response:?}");
+    };
+
+    let first = {
+        let store = store.clone();
+        measure(settings, move |_, n| {
+            run(store.clone(), format!("first-{n}"))
+        })
+        .await
+    };
+    let suffix = if wait.is_zero() {
+        String::new()
+    } else {
+        format!(" +{}ms", wait.as_millis())
+    };
+    rows.push(Row {
+        backend,
+        variant: format!("idem-first{suffix}"),
+        requests: first.0,
+        rate: first.1,
+        p50: first.2,
+        p99: first.3,
+    });
+    if !wait.is_zero() {
+        return;
+    }
+    // Replays of the keys the first run completed.
+    let completed = first.0.max(1);
+    let replay = {
+        let store = store.clone();
+        measure(settings, move |_, n| {
+            run(store.clone(), format!("first-{}", n % completed))
+        })
+        .await
+    };
+    rows.push(Row {
+        backend,
+        variant: "idem-replay".into(),
+        requests: replay.0,
+        rate: replay.1,
+        p50: replay.2,
+        p99: replay.3,
+    });
+}
+
+async fn bare<DB: Backend>(
+    settings: &Settings,
+    backend: &'static str,
+    pool: Pool<DB>,
+    insert: &'static str,
+    rows: &mut Vec<Row>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    let (requests, rate, p50, p99) = measure(settings, move |_, _| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query(insert).execute(&mut *tx).await.expect("insert");
+            tx.commit().await.expect("commit");
+        }
+    })
+    .await;
+    rows.push(Row {
+        backend,
+        variant: "bare".into(),
+        requests,
+        rate,
+        p50,
+        p99,
+    });
+}
+
+async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
+    let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let options: PgConnectOptions = url.parse().expect("postgres url");
+    let Ok(admin) = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+    else {
+        eprintln!("PostgreSQL not reachable at {url}: skipped");
+        return;
+    };
+    let schema = format!("idem_bench_{}", std::process::id());
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.workers as u32)
+        .connect_with(options.options([("search_path", schema.as_str())]))
+        .await
+        .expect("pool");
+    sqlx::raw_sql("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("effects");
+    let store = Idempotency::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    let insert = "INSERT INTO effects (note) VALUES ('x')";
+
+    bare(settings, "postgres", pool.clone(), insert, rows).await;
+
+    let hand = pool.clone();
+    let (requests, rate, p50, p99) = measure(settings, move |_, n| {
+        let pool = hand.clone();
+        async move {
+            let key = format!("hand-{n}");
+            let mut conn = pool.acquire().await.expect("acquire");
+            let seen: Option<i64> = sqlx::query_scalar(
+                "SELECT lease FROM idempotency_keys WHERE scope = 'hand' AND idempotency_key = $1",
+            )
+            .bind(&key)
+            .fetch_optional(&mut *conn)
+            .await
+            .expect("read");
+            assert!(seen.is_none());
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+            sqlx::query(
+                "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                     fingerprint, locked_until, expires_at, created_at) \
+                 SELECT 'hand', $1, 'processing', 1, 'POST', '/effects', '\\x00', \
+                     clock_timestamp() + interval '30 seconds', clock_timestamp() + interval '1 day', \
+                     clock_timestamp() \
+                 WHERE pg_try_advisory_xact_lock(hashtext($1))",
+            )
+            .bind(&key)
+            .execute(&mut *tx)
+            .await
+            .expect("claim");
+            sqlx::query("INSERT INTO effects (note) VALUES ('x')")
+                .execute(&mut *tx)
+                .await
+                .expect("insert");
+            sqlx::query(
+                "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '\\x00', \
+                     body = '\\x00' WHERE scope = 'hand' AND idempotency_key = $1 AND lease = 1",
+            )
+            .bind(&key)
+            .execute(&mut *tx)
+            .await
+            .expect("record");
+            tx.commit().await.expect("commit");
+        }
+    })
+    .await;
+    rows.push(Row {
+        backend: "postgres",
+        variant: "hand-written".into(),
+        requests,
+        rate,
+        p50,
+        p99,
+    });
+
+    idem_variants(settings, "postgres", store, insert, Duration::ZERO, rows).await;
+    pool.close().await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&admin)
+        .await;
+}
+
+async fn sqlite(settings: &Settings, rows: &mut Vec<Row>) {
+    let path = std::env::temp_dir().join(format!("idem_bench_{}.db", std::process::id()));
+    let pool: Pool<Sqlite> = SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(30)),
+        )
+        .await
+        .expect("sqlite");
+    sqlx::raw_sql(
+        "CREATE TABLE effects (id INTEGER PRIMARY KEY AUTOINCREMENT, note TEXT NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .expect("effects");
+    let store = Idempotency::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    let insert = "INSERT INTO effects (note) VALUES ('x')";
+
+    bare(settings, "sqlite", pool.clone(), insert, rows).await;
+    idem_variants(
+        settings,
+        "sqlite",
+        store.clone(),
+        insert,
+        Duration::ZERO,
+        rows,
+    )
+    .await;
+    for ms in [2, 10] {
+        let fresh = Idempotency::builder(pool.clone()).build().expect("store");
+        idem_variants(
+            settings,
+            "sqlite",
+            fresh,
+            insert,
+            Duration::from_millis(ms),
+            rows,
+        )
+        .await;
+    }
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+fn main() {
+    let mut settings = Settings {
+        secs: 5,
+        workers: 32,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().and_then(|v| v.parse().ok());
+        match arg.as_str() {
+            "--secs" => settings.secs = value().unwrap_or(settings.secs),
+            "--workers" => settings.workers = value().map_or(settings.workers, |v: u64| v as usize),
+            _ => {} // cargo bench passes --bench
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut rows = Vec::new();
+    runtime.block_on(async {
+        postgres(&settings, &mut rows).await;
+        sqlite(&settings, &mut rows).await;
+    });
+
+    println!(
+        "\n{} workers, {} s per variant (after 1 s warm-up)\n",
+        settings.workers, settings.secs
+    );
+    println!("| backend | variant | requests | req/s | p50 ms | p99 ms | × bare |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: |");
+    for row in &rows {
+        let bare = rows
+            .iter()
+            .find(|r| r.backend == row.backend && r.variant == "bare")
+            .map_or(f64::NAN, |r| r.rate);
+        println!(
+            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            row.backend,
+            row.variant,
+            row.requests,
+            row.rate,
+            row.p50.as_secs_f64() * 1e3,
+            row.p99.as_secs_f64() * 1e3,
+            row.rate / bare
+        );
+    }
+}

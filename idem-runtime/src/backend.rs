@@ -49,6 +49,17 @@ impl Found {
     }
 }
 
+/// One claim attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim {
+    /// The new executor's fencing token.
+    pub lease: i64,
+    pub lock_ms: i64,
+    pub ttl_ms: i64,
+    /// The lookup found a row (expired, or a claim past its lock) to take over.
+    pub replace: bool,
+}
+
 /// A response ready to be recorded.
 pub struct Recorded<'a> {
     pub status: i32,
@@ -87,16 +98,14 @@ pub mod sealed {
             id: &'c Identity<'c>,
         ) -> impl Future<Output = Result<Option<Found>, sqlx::Error>> + Send + 'c;
 
-        /// Takes (scope, key) under `lease` and opens the transaction the handler
-        /// runs in. `None`: another executor holds it, or it completed meanwhile.
+        /// Takes (scope, key) under `claim.lease` and opens the transaction the
+        /// handler runs in. `None`: another executor holds it, or it completed meanwhile.
         #[doc(hidden)]
         fn claim<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::Sql,
             id: &'c Identity<'c>,
-            lease: i64,
-            lock_ms: i64,
-            ttl_ms: i64,
+            claim: Claim,
         ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
 
         /// Opens the transaction for a request that carries no key.

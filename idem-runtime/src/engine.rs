@@ -18,7 +18,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Transaction};
 use tracing::Instrument as _;
 
-use crate::backend::{Backend, Found, Identity, Recorded};
+use crate::backend::{Backend, Claim, Found, Identity, Recorded};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -217,7 +217,11 @@ impl fmt::Display for Outcome {
 }
 
 enum Decision {
-    Claim { takeover: bool },
+    /// Free, expired (`replace`), or a claim past its lock (`takeover`).
+    Claim {
+        replace: bool,
+        takeover: bool,
+    },
     Answer(Outcome, Response<Bytes>),
 }
 
@@ -355,24 +359,22 @@ impl<DB: Backend> Idempotency<DB> {
         };
         let sql = &self.inner.sql;
 
-        let takeover = match DB::lookup(&mut conn, sql, &id).await {
+        let (replace, takeover) = match DB::lookup(&mut conn, sql, &id).await {
             Ok(found) => match self.decide(found, &id) {
-                Decision::Claim { takeover } => takeover,
+                Decision::Claim { replace, takeover } => (replace, takeover),
                 Decision::Answer(outcome, response) => return (outcome, response),
             },
             Err(error) => return self.store_failed(&error),
         };
 
         let lease = new_lease();
-        let claim = DB::claim(
-            &mut conn,
-            sql,
-            &id,
+        let claim = Claim {
             lease,
-            options.lock_millis(),
-            options.ttl_millis(),
-        );
-        let mut tx = match claim.await {
+            lock_ms: options.lock_millis(),
+            ttl_ms: options.ttl_millis(),
+            replace,
+        };
+        let mut tx = match DB::claim(&mut conn, sql, &id, claim).await {
             Ok(Some(tx)) => tx,
             // `other` takes the whole result, so `conn` is free again below.
             other => {
@@ -510,10 +512,19 @@ impl<DB: Backend> Idempotency<DB> {
 
     /// What a lookup means for this request.
     fn decide(&self, found: Option<Found>, id: &Identity<'_>) -> Decision {
-        // An expired key is treated as never seen.
-        let Some(found) = found.filter(|found| found.fresh) else {
-            return Decision::Claim { takeover: false };
+        let Some(found) = found else {
+            return Decision::Claim {
+                replace: false,
+                takeover: false,
+            };
         };
+        if !found.fresh {
+            // An expired key is treated as never seen.
+            return Decision::Claim {
+                replace: true,
+                takeover: false,
+            };
+        }
         if !found.matches(id) {
             let detail = if found.method != id.method || found.path != id.path {
                 format!(
@@ -538,7 +549,10 @@ impl<DB: Backend> Idempotency<DB> {
         } else if found.live {
             Decision::Answer(Outcome::InFlight, self.in_flight())
         } else {
-            Decision::Claim { takeover: true }
+            Decision::Claim {
+                replace: true,
+                takeover: true,
+            }
         }
     }
 

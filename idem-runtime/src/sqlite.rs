@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
-use crate::backend::{Found, Identity, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -123,19 +123,19 @@ impl Store for Sqlite {
         conn: &'c mut SqliteConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
-        lease: i64,
-        lock_ms: i64,
-        ttl_ms: i64,
+        claim: Claim,
     ) -> Result<Option<Transaction<'c, Sqlite>>, sqlx::Error> {
+        // One upsert covers a free key and a takeover: SQLite has one writer, so
+        // there is no speculative insertion to avoid.
         let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
             .bind(id.scope)
             .bind(id.key)
-            .bind(lease)
+            .bind(claim.lease)
             .bind(id.method)
             .bind(id.path)
             .bind(&id.fingerprint[..])
-            .bind(lock_ms)
-            .bind(ttl_ms)
+            .bind(claim.lock_ms)
+            .bind(claim.ttl_ms)
             .fetch_optional(&mut *conn)
             .await?;
         if claimed.is_none() {

@@ -156,6 +156,12 @@ impl<DB: Backend> Idempotency<DB> {
     /// Creates the key table and its index if they do not exist. Safe to call from
     /// every instance at start-up.
     ///
+    /// This does not go through `sqlx::migrate!`: that would record idem's version
+    /// in your `_sqlx_migrations` table, and your own migrator would then refuse to
+    /// run, finding an applied migration it does not know. To manage the table with
+    /// your own tool instead, copy [`migration_sql`](Self::migration_sql) (or the
+    /// repository's `migrations/<backend>/` file) into it and skip this call.
+    ///
     /// # Errors
     ///
     /// Any database error.

@@ -77,10 +77,11 @@
 //! # Ok(()) }
 //! ```
 
+pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,
     HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey,
-    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Tx, fingerprint,
+    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Tx, fingerprint,
 };
 
 #[cfg(feature = "axum")]
@@ -88,6 +89,7 @@ pub use idem_runtime::axum;
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]
+#[cfg(feature = "axum")]
 pub mod __private {
-    pub use idem_runtime::*;
+    pub use idem_runtime::__macro_support::*;
 }

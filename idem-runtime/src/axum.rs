@@ -89,6 +89,12 @@ impl<DB: Backend> IdempotentRequest<DB> {
         &self.body
     }
 
+    /// The key bound to `scope`, as the handler sees it (so that
+    /// [`IdempotencyKey::derive`] is per tenant).
+    pub fn scoped_key(&self, scope: &str) -> Option<IdempotencyKey> {
+        self.key.clone().map(|key| key.with_scope(scope))
+    }
+
     /// Takes the request apart, e.g. to run axum extractors on it before
     /// [`run_parts`](Self::run_parts).
     pub fn into_parts(self) -> (Idempotency<DB>, Option<IdempotencyKey>, Parts, Bytes) {
@@ -157,6 +163,50 @@ where
             parts,
             body,
         })
+    }
+}
+
+/// The last parameter of a handler rewritten by `#[idempotent]`: the buffered
+/// request, plus the user's own last extractor run on the same bytes.
+///
+/// The user's extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any
+/// `FromRequestParts` type) sees the request exactly as sent; if it rejects the
+/// request, its rejection is the answer and nothing is stored.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Buffered<DB: Backend, T> {
+    request: IdempotentRequest<DB>,
+    value: T,
+}
+
+impl<DB: Backend, T> Buffered<DB, T> {
+    pub fn into_parts(self) -> (IdempotentRequest<DB>, T) {
+        (self.request, self.value)
+    }
+}
+
+/// Marks [`Buffered`]'s `FromRequest` impl; `M` is the inner extractor's marker, so
+/// both body and parts extractors fit.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct ViaBuffered;
+
+impl<S, DB, T, M> FromRequest<S, (ViaBuffered, M)> for Buffered<DB, T>
+where
+    S: Send + Sync,
+    DB: Backend,
+    Idempotency<DB>: FromRef<S>,
+    T: FromRequest<S, M>,
+{
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let request = IdempotentRequest::<DB>::from_request(request, state).await?;
+        let copy = Request::from_parts(request.parts.clone(), Body::from(request.body.clone()));
+        let value = T::from_request(copy, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self { request, value })
     }
 }
 

@@ -1,0 +1,198 @@
+//! The attribute's options: `scope`, `ttl`, `lock`, `required`, `db` (and the
+//! reserved `wait`).
+
+use syn::parse::{Parse, ParseStream};
+use syn::{Error, Ident, Lit, LitBool, LitStr, Token, Type};
+
+const OPTIONS: &str = "`scope`, `ttl`, `lock`, `required`, `db`";
+
+/// Milliseconds in a day: the default `ttl`.
+pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+/// The default `lock`: 30 seconds.
+pub(crate) const DEFAULT_LOCK_MS: u64 = 30 * 1000;
+
+/// A duration option and where it was written.
+pub(crate) struct Duration {
+    pub(crate) millis: u64,
+    pub(crate) lit: LitStr,
+}
+
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) scope: Option<LitStr>,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) lock: Option<Duration>,
+    pub(crate) required: Option<LitBool>,
+    pub(crate) db: Option<Type>,
+}
+
+/// Collects errors so one mistake does not hide the next.
+#[derive(Default)]
+pub(crate) struct Errors(Option<Error>);
+
+impl Errors {
+    pub(crate) fn push(&mut self, error: Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    pub(crate) fn finish(self) -> Result<(), Error> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Self::default();
+        let mut errors = Errors::default();
+        let mut seen: Vec<String> = Vec::new();
+        while !input.is_empty() {
+            let name: Ident = input.parse().map_err(|e| {
+                Error::new(e.span(), format!("expected an option: one of {OPTIONS}"))
+            })?;
+            input.parse::<Token![=]>()?;
+            let key = name.to_string();
+            if seen.contains(&key) {
+                errors.push(Error::new_spanned(
+                    &name,
+                    format!("duplicate option `{key}`"),
+                ));
+            }
+            seen.push(key.clone());
+            match key.as_str() {
+                "db" => args.db = Some(input.parse()?),
+                "scope" => match input.parse()? {
+                    Lit::Str(lit) => args.scope = Some(lit),
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        "expected the name of a handler parameter as a string, like `scope = \"user_id\"`",
+                    )),
+                },
+                "ttl" | "lock" => match input.parse()? {
+                    Lit::Str(lit) => match parse_duration(&lit) {
+                        Ok(millis) => {
+                            let value = Some(Duration { millis, lit });
+                            if key == "ttl" {
+                                args.ttl = value;
+                            } else {
+                                args.lock = value;
+                            }
+                        }
+                        Err(error) => errors.push(error),
+                    },
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        format!("expected a duration string, like `{key} = \"30s\"`"),
+                    )),
+                },
+                "required" => match input.parse()? {
+                    Lit::Bool(lit) => args.required = Some(lit),
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        "expected `true` or `false`",
+                    )),
+                },
+                "wait" => {
+                    let _: syn::Expr = input.parse()?;
+                    errors.push(Error::new_spanned(
+                        &name,
+                        "`wait` is reserved for a later release of idem: concurrent duplicates get 409 `in-flight` with `Retry-After`",
+                    ));
+                }
+                _ => {
+                    let _: syn::Expr = input.parse()?;
+                    errors.push(Error::new_spanned(
+                        &name,
+                        format!("unknown option `{key}`; expected one of {OPTIONS}"),
+                    ));
+                }
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        let ttl = args.ttl.as_ref().map_or(DEFAULT_TTL_MS, |d| d.millis);
+        let lock = args.lock.as_ref().map_or(DEFAULT_LOCK_MS, |d| d.millis);
+        if lock >= ttl {
+            // Point at whichever of the two was written; the other is a default.
+            let message = "`lock` must be shorter than `ttl` (defaults: lock 30s, ttl 24h): a key must outlive any execution holding it";
+            if let Some(written) = args.lock.as_ref().or(args.ttl.as_ref()) {
+                errors.push(Error::new_spanned(&written.lit, message));
+            }
+        }
+        errors.finish()?;
+        Ok(args)
+    }
+}
+
+/// Parses "500ms", "30s", "15m", "24h", "3d" into milliseconds.
+pub(crate) fn parse_duration(lit: &LitStr) -> syn::Result<u64> {
+    let text = lit.value();
+    let malformed = || {
+        Error::new_spanned(
+            lit,
+            format!(
+                "`{text}` is not a duration: write a whole number and a unit, like \"500ms\", \"30s\", \"15m\", \"24h\" or \"3d\""
+            ),
+        )
+    };
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    if number.is_empty() {
+        return Err(malformed());
+    }
+    let factor = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(malformed()),
+    };
+    let too_long = || Error::new_spanned(lit, format!("`{text}` is too long a duration"));
+    let millis = number
+        .parse::<u64>()
+        .map_err(|_| too_long())?
+        .checked_mul(factor)
+        .filter(|ms| *ms <= 100 * 365 * 86_400_000)
+        .ok_or_else(too_long)?;
+    if millis == 0 {
+        return Err(Error::new_spanned(
+            lit,
+            "a duration must be greater than zero",
+        ));
+    }
+    Ok(millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proc_macro2::Span;
+
+    fn ms(text: &str) -> Result<u64, String> {
+        parse_duration(&LitStr::new(text, Span::call_site())).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(ms("500ms"), Ok(500));
+        assert_eq!(ms("30s"), Ok(30_000));
+        assert_eq!(ms("15m"), Ok(900_000));
+        assert_eq!(ms("24h"), Ok(86_400_000));
+        assert_eq!(ms("3d"), Ok(259_200_000));
+        for bad in ["", "24x", "-1s", "1.5s", "s", "1 s", "1S", " 1s"] {
+            assert!(
+                ms(bad).is_err_and(|e| e.contains("not a duration")),
+                "{bad}"
+            );
+        }
+        assert!(ms("0s").is_err_and(|e| e.contains("greater than zero")));
+        assert!(ms("99999999999999999999d").is_err_and(|e| e.contains("too long")));
+    }
+}

@@ -1,0 +1,21 @@
+//! The `#[idempotent]` attribute of the `idem` crate. Use it through `idem`: the
+//! code it generates calls `idem::__private`.
+
+use proc_macro::TokenStream;
+
+mod attr;
+mod expand;
+
+/// Makes an axum handler exactly-once under the `Idempotency-Key` header.
+///
+/// ```text
+/// #[idempotent(scope = "user_id", ttl = "24h", lock = "30s", required = true)]
+/// async fn create_payment(user_id: UserId, tx: Tx<Postgres>, Json(req): Json<NewPayment>) -> ...
+/// ```
+///
+/// See the `idem` crate documentation for the options and what the rewritten
+/// handler does.
+#[proc_macro_attribute]
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::idempotent(args.into(), item.into()).into()
+}

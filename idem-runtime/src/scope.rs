@@ -1,0 +1,96 @@
+//! What scopes keys: the tenant or user a key belongs to (SPEC §2).
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+/// A value that scopes idempotency keys, such as the authenticated user's id.
+///
+/// Keys are unique per (scope, key): the same key under two scopes is two unrelated
+/// requests, and one scope never sees another's stored response. The
+/// `#[idempotent(scope = "user_id")]` attribute calls this on the parameter it names.
+///
+/// Implemented for strings and integers; implement it for your own id types.
+///
+/// # Examples
+///
+/// ```
+/// use std::borrow::Cow;
+/// use idem_runtime::Scope;
+///
+/// struct UserId(u64);
+///
+/// impl Scope for UserId {
+///     fn scope(&self) -> Cow<'_, str> {
+///         self.0.scope()
+///     }
+/// }
+///
+/// assert_eq!(UserId(7).scope(), "7");
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot scope idempotency keys",
+    label = "named by `scope = ...`, so it must implement `idem::Scope`",
+    note = "implement `idem::Scope` for it, returning the id of the tenant or user the request acts for"
+)]
+pub trait Scope {
+    /// The scope's string form; equal values must give equal strings.
+    fn scope(&self) -> Cow<'_, str>;
+}
+
+impl Scope for str {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl Scope for String {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl Scope for Box<str> {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl Scope for Arc<str> {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl Scope for Cow<'_, str> {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl<T: Scope + ?Sized> Scope for &T {
+    fn scope(&self) -> Cow<'_, str> {
+        (**self).scope()
+    }
+}
+
+macro_rules! integer_scopes {
+    ($($t:ty),*) => {
+        $(
+            impl Scope for $t {
+                fn scope(&self) -> Cow<'_, str> {
+                    Cow::Owned(self.to_string())
+                }
+            }
+        )*
+    };
+}
+
+integer_scopes!(
+    i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize
+);
+
+/// The scope string of `value`; what generated code calls.
+#[doc(hidden)]
+pub fn scope_of<T: Scope + ?Sized>(value: &T) -> String {
+    value.scope().into_owned()
+}

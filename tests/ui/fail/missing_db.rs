@@ -1,0 +1,12 @@
+use axum::http::StatusCode;
+use idem::{idempotent, Tx};
+use sqlx::Sqlite;
+
+#[idempotent]
+async fn pay() -> StatusCode {
+    StatusCode::CREATED
+}
+
+fn main() {
+    let _ = std::marker::PhantomData::<Tx<Sqlite>>;
+}

@@ -1,0 +1,11 @@
+use axum::http::StatusCode;
+use idem::{idempotent, Tx};
+use sqlx::Sqlite;
+
+#[idempotent]
+async fn pay(tx: Tx<Sqlite>, other: Tx<Sqlite>) -> StatusCode {
+    let _ = (tx, other);
+    StatusCode::CREATED
+}
+
+fn main() {}

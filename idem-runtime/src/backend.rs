@@ -74,52 +74,52 @@ pub mod sealed {
     pub trait Store: Database {
         /// Prepared statement texts for `table`.
         #[doc(hidden)]
-        type Sql: Send + Sync + 'static;
+        type IdemSql: Send + Sync + 'static;
 
         #[doc(hidden)]
-        fn sql(table: &str) -> Self::Sql;
+        fn idem_sql(table: &str) -> Self::IdemSql;
 
         /// The backend's migration, for the default table name.
         #[doc(hidden)]
-        const MIGRATION: &'static str;
+        const IDEM_MIGRATION: &'static str;
 
         /// Applies the migration under a lock, so instances starting together agree.
         #[doc(hidden)]
-        fn migrate<'c>(
+        fn idem_migrate<'c>(
             conn: &'c mut Self::Connection,
             script: &'c str,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
 
         /// Reads (scope, key) outside any transaction.
         #[doc(hidden)]
-        fn lookup<'c>(
+        fn idem_lookup<'c>(
             conn: &'c mut Self::Connection,
-            sql: &'c Self::Sql,
+            sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
         ) -> impl Future<Output = Result<Option<Found>, sqlx::Error>> + Send + 'c;
 
         /// Takes (scope, key) under `claim.lease` and opens the transaction the
         /// handler runs in. `None`: another executor holds it, or it completed meanwhile.
         #[doc(hidden)]
-        fn claim<'c>(
+        fn idem_claim<'c>(
             conn: &'c mut Self::Connection,
-            sql: &'c Self::Sql,
+            sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             claim: Claim,
         ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
 
         /// Opens the transaction for a request that carries no key.
         #[doc(hidden)]
-        fn begin(
+        fn idem_begin(
             conn: &mut Self::Connection,
         ) -> impl Future<Output = Result<Transaction<'_, Self>, sqlx::Error>> + Send + '_;
 
         /// Completes the row inside the handler's transaction, if `lease` still holds
         /// it by the database clock. `false`: the lease was lost; roll back.
         #[doc(hidden)]
-        fn record<'c>(
+        fn idem_record<'c>(
             conn: &'c mut Self::Connection,
-            sql: &'c Self::Sql,
+            sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             lease: i64,
             response: Recorded<'c>,
@@ -128,9 +128,9 @@ pub mod sealed {
         /// Frees a claim after a rollback, if `lease` still holds it. Backends whose
         /// claim lives inside the rolled-back transaction have nothing to do.
         #[doc(hidden)]
-        fn release<'c>(
+        fn idem_release<'c>(
             conn: &'c mut Self::Connection,
-            sql: &'c Self::Sql,
+            sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             lease: i64,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;

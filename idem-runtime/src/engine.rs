@@ -359,7 +359,7 @@ impl<DB: Backend> Idempotency<DB> {
         };
         let sql = &self.inner.sql;
 
-        let (replace, takeover) = match DB::lookup(&mut conn, sql, &id).await {
+        let (replace, takeover) = match DB::idem_lookup(&mut conn, sql, &id).await {
             Ok(found) => match self.decide(found, &id) {
                 Decision::Claim { replace, takeover } => (replace, takeover),
                 Decision::Answer(outcome, response) => return (outcome, response),
@@ -374,7 +374,7 @@ impl<DB: Backend> Idempotency<DB> {
             ttl_ms: options.ttl_millis(),
             replace,
         };
-        let mut tx = match DB::claim(&mut conn, sql, &id, claim).await {
+        let mut tx = match DB::idem_claim(&mut conn, sql, &id, claim).await {
             Ok(Some(tx)) => tx,
             // `other` takes the whole result, so `conn` is free again below.
             other => {
@@ -403,7 +403,7 @@ impl<DB: Backend> Idempotency<DB> {
                     headers: &headers,
                     body: response.body(),
                 };
-                match DB::record(&mut tx, sql, &id, lease, recorded).await {
+                match DB::idem_record(&mut tx, sql, &id, lease, recorded).await {
                     Ok(true) => match tx.commit().await {
                         Ok(()) => {
                             let outcome = if takeover {
@@ -444,7 +444,7 @@ impl<DB: Backend> Idempotency<DB> {
             // Whatever state the session is in, it is not handed to the next request.
             conn.close_on_drop();
         }
-        if let Err(error) = DB::release(&mut conn, sql, &id, lease).await {
+        if let Err(error) = DB::idem_release(&mut conn, sql, &id, lease).await {
             // The key stays busy until its lock passes; then a retry takes it over.
             tracing::warn!(%error, "could not release the claim");
         }
@@ -455,18 +455,20 @@ impl<DB: Backend> Idempotency<DB> {
     /// runs), or 503 when the database failed.
     async fn claim_lost(
         &self,
-        conn: &mut DB::Connection,
+        conn: &mut PoolConnection<DB>,
         id: &Identity<'_>,
         lease: i64,
         error: Option<sqlx::Error>,
     ) -> (Outcome, Response<Bytes>) {
         let sql = &self.inner.sql;
         if let Some(error) = error {
-            // A backend may have committed its claim before failing.
-            let _ = DB::release(conn, sql, id, lease).await;
+            // A backend may have committed its claim before failing; and the
+            // session may be left in any state, so it is not reused.
+            let _ = DB::idem_release(conn, sql, id, lease).await;
+            conn.close_on_drop();
             return self.store_failed(&error);
         }
-        match DB::lookup(conn, sql, id).await {
+        match DB::idem_lookup(conn, sql, id).await {
             Ok(found) => match self.decide(found, id) {
                 Decision::Answer(outcome, response) => (outcome, response),
                 Decision::Claim { .. } => (Outcome::InFlight, self.in_flight()),
@@ -485,7 +487,7 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let mut tx = match DB::begin(conn).await {
+        let mut tx = match DB::idem_begin(conn).await {
             Ok(tx) => tx,
             Err(error) => return self.store_failed(&error),
         };

@@ -53,12 +53,12 @@ pub struct Sql {
 }
 
 impl Store for Postgres {
-    type Sql = Sql;
+    type IdemSql = Sql;
 
-    const MIGRATION: &'static str =
+    const IDEM_MIGRATION: &'static str =
         include_str!("../../migrations/postgres/0001_idempotency_keys.sql");
 
-    fn sql(table: &str) -> Sql {
+    fn idem_sql(table: &str) -> Sql {
         Sql {
             table: table.into(),
             lookup: format!(
@@ -101,7 +101,7 @@ impl Store for Postgres {
         }
     }
 
-    async fn migrate(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
+    async fn idem_migrate(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
         let mut tx = conn.begin().await?;
         // Serialises instances that start together: concurrent CREATE TABLE IF NOT
         // EXISTS can still collide in the catalog.
@@ -114,7 +114,7 @@ impl Store for Postgres {
         tx.commit().await
     }
 
-    async fn lookup(
+    async fn idem_lookup(
         conn: &mut PgConnection,
         sql: &Sql,
         id: &Identity<'_>,
@@ -140,7 +140,7 @@ impl Store for Postgres {
         .transpose()
     }
 
-    async fn claim<'c>(
+    async fn idem_claim<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
@@ -182,11 +182,11 @@ impl Store for Postgres {
         }
     }
 
-    async fn begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
+    async fn idem_begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
         conn.begin().await
     }
 
-    async fn record<'c>(
+    async fn idem_record<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
@@ -206,7 +206,7 @@ impl Store for Postgres {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn release(
+    async fn idem_release(
         _conn: &mut PgConnection,
         _sql: &Sql,
         _id: &Identity<'_>,

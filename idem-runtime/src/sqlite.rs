@@ -5,7 +5,9 @@
 //! duplicate queue behind that lock instead of answering 409 at once, so here the
 //! claim is its own short autocommit statement: a `processing` row with a random
 //! lease and `locked_until`. Readers are never blocked in WAL mode, so a duplicate
-//! sees the committed claim and answers 409 while the handler runs.
+//! sees the committed claim and answers 409 while the handler runs; one that tried
+//! to claim while the handler held the write lock finds out the same way (see
+//! `claim_row`) instead of waiting for it.
 //!
 //! - The handler's transaction begins `IMMEDIATE`: a deferred transaction that reads
 //!   and then writes fails with `SQLITE_BUSY` as soon as another writer committed in
@@ -32,6 +34,7 @@
 //! default is 5 s).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
@@ -49,12 +52,12 @@ pub struct Sql {
 }
 
 impl Store for Sqlite {
-    type Sql = Sql;
+    type IdemSql = Sql;
 
-    const MIGRATION: &'static str =
+    const IDEM_MIGRATION: &'static str =
         include_str!("../../migrations/sqlite/0001_idempotency_keys.sql");
 
-    fn sql(table: &str) -> Sql {
+    fn idem_sql(table: &str) -> Sql {
         Sql {
             lookup: format!(
                 "SELECT state, method, path, fingerprint, status, headers, body, \
@@ -90,7 +93,7 @@ impl Store for Sqlite {
         }
     }
 
-    async fn migrate(conn: &mut SqliteConnection, script: &str) -> Result<(), sqlx::Error> {
+    async fn idem_migrate(conn: &mut SqliteConnection, script: &str) -> Result<(), sqlx::Error> {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
             .execute(&mut *tx)
@@ -98,7 +101,7 @@ impl Store for Sqlite {
         tx.commit().await
     }
 
-    async fn lookup(
+    async fn idem_lookup(
         conn: &mut SqliteConnection,
         sql: &Sql,
         id: &Identity<'_>,
@@ -124,37 +127,26 @@ impl Store for Sqlite {
         .transpose()
     }
 
-    async fn claim<'c>(
+    async fn idem_claim<'c>(
         conn: &'c mut SqliteConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<Option<Transaction<'c, Sqlite>>, sqlx::Error> {
-        // One upsert covers a free key and a takeover: SQLite has one writer, so
-        // there is no speculative insertion to avoid.
-        let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(claim.lease)
-            .bind(id.method)
-            .bind(id.path)
-            .bind(&id.fingerprint[..])
-            .bind(claim.lock_ms)
-            .bind(claim.ttl_ms)
-            .fetch_optional(&mut *conn)
-            .await?;
-        if claimed.is_none() {
+        if !claim_row(conn, sql, id, claim).await? {
             return Ok(None);
         }
         // If this fails the claim is committed: the engine releases it.
         conn.begin_with("BEGIN IMMEDIATE").await.map(Some)
     }
 
-    async fn begin(conn: &mut SqliteConnection) -> Result<Transaction<'_, Sqlite>, sqlx::Error> {
+    async fn idem_begin(
+        conn: &mut SqliteConnection,
+    ) -> Result<Transaction<'_, Sqlite>, sqlx::Error> {
         conn.begin_with("BEGIN IMMEDIATE").await
     }
 
-    async fn record<'c>(
+    async fn idem_record<'c>(
         conn: &'c mut SqliteConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
@@ -173,7 +165,7 @@ impl Store for Sqlite {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn release(
+    async fn idem_release(
         conn: &mut SqliteConnection,
         sql: &Sql,
         id: &Identity<'_>,
@@ -186,5 +178,81 @@ impl Store for Sqlite {
             .execute(conn)
             .await?;
         Ok(())
+    }
+}
+
+/// Claims with the upsert, without queueing behind another key's writer when the
+/// writer is this key's own executor.
+///
+/// The upsert needs the write lock. While a handler of the *same* key holds it, a
+/// duplicate must answer 409 at once, not wait out the busy timeout and then
+/// replay; while another key's handler holds it, waiting is right. So the upsert
+/// runs with `busy_timeout = 0`, and on `SQLITE_BUSY` a read (which WAL never
+/// blocks) tells the two apart: a live claim or a fresh record of this key ends
+/// the attempt (`false`: the engine answers from it), anything else backs off and
+/// retries until the connection's own busy timeout has passed.
+///
+/// One upsert covers a free key and a takeover: with one writer there is no
+/// speculative insertion to avoid.
+async fn claim_row(
+    conn: &mut SqliteConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+    claim: Claim,
+) -> Result<bool, sqlx::Error> {
+    let patience: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query("PRAGMA busy_timeout = 0")
+        .execute(&mut *conn)
+        .await?;
+    let deadline = Instant::now() + Duration::from_millis(patience.max(0).unsigned_abs());
+    let mut pause = Duration::from_millis(1);
+    let outcome = loop {
+        let upsert = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(claim.lease)
+            .bind(id.method)
+            .bind(id.path)
+            .bind(&id.fingerprint[..])
+            .bind(claim.lock_ms)
+            .bind(claim.ttl_ms)
+            .fetch_optional(&mut *conn)
+            .await;
+        match upsert {
+            Ok(row) => break Ok(row.is_some()),
+            Err(error) if is_busy(&error) => {
+                match Sqlite::idem_lookup(conn, sql, id).await {
+                    Ok(Some(found)) if found.fresh && (found.completed || found.live) => {
+                        break Ok(false);
+                    }
+                    Ok(_) if Instant::now() < deadline => {}
+                    Ok(_) => break Err(error),
+                    Err(error) => break Err(error),
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(20));
+            }
+            Err(error) => break Err(error),
+        }
+    };
+    // Restored before anything else runs on this connection: the handler's
+    // `BEGIN IMMEDIATE` must wait for the writer as configured.
+    let restore = format!("PRAGMA busy_timeout = {patience}");
+    sqlx::query(AssertSqlSafe(restore))
+        .execute(&mut *conn)
+        .await?;
+    outcome
+}
+
+/// `SQLITE_BUSY` or one of its extended codes.
+fn is_busy(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(error) => error
+            .code()
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(|code| code & 0xff == 5),
+        _ => false,
     }
 }

@@ -44,7 +44,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) table: Box<str>,
     pub(crate) problem_base: Box<str>,
     pub(crate) max_response_bytes: usize,
-    pub(crate) sql: DB::Sql,
+    pub(crate) sql: DB::IdemSql,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -106,7 +106,7 @@ impl<DB: Backend> Idempotency<DB> {
         problem_base: Box<str>,
         max_response_bytes: usize,
     ) -> Self {
-        let sql = DB::sql(&table);
+        let sql = DB::idem_sql(&table);
         Self {
             inner: Arc::new(Inner {
                 pool,
@@ -150,7 +150,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// # }
     /// ```
     pub fn migration_sql(&self) -> String {
-        DB::MIGRATION.replace(DEFAULT_TABLE, &self.inner.table)
+        DB::IDEM_MIGRATION.replace(DEFAULT_TABLE, &self.inner.table)
     }
 
     /// Creates the key table and its index if they do not exist. Safe to call from
@@ -167,7 +167,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// Any database error.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        DB::migrate(&mut conn, &self.migration_sql()).await
+        DB::idem_migrate(&mut conn, &self.migration_sql()).await
     }
 }
 

@@ -30,6 +30,21 @@ pub fn started(key: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Gates a handler waits at (header `x-gate`) until the test opens them.
+static OPEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+pub fn open_gate(gate: &str) {
+    if let Ok(mut set) = OPEN.lock() {
+        set.get_or_insert_with(HashSet::new).insert(gate.to_owned());
+    }
+}
+
+fn gate_is_open(gate: &str) -> bool {
+    OPEN.lock()
+        .map(|set| set.as_ref().is_some_and(|set| set.contains(gate)))
+        .unwrap_or(true)
+}
+
 fn mark_started(key: String) {
     if let Ok(mut set) = STARTED.lock() {
         set.get_or_insert_with(HashSet::new).insert(key);
@@ -96,6 +111,10 @@ async fn effect<H: Harness>(
     let panics = headers.contains_key("x-panic");
     let note = String::from_utf8_lossy(request.body()).into_owned();
     let key = request.key().map(|k| k.as_str().to_owned());
+    let gate = headers
+        .get("x-gate")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
 
     request
         .run(&scope.clone(), options, move |mut tx| {
@@ -109,6 +128,11 @@ async fn effect<H: Harness>(
                 };
                 if let Some(key) = key {
                     mark_started(key);
+                }
+                if let Some(gate) = gate {
+                    while !gate_is_open(&gate) {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
                 }
                 if !sleep.is_zero() {
                     tokio::time::sleep(sleep).await;

@@ -254,7 +254,7 @@ impl Lite {
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10))
+            .busy_timeout(Duration::from_secs(30))
     }
 }
 

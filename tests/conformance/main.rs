@@ -54,39 +54,95 @@ fn assert_in_flight(got: &Got) {
     assert_eq!(got.header("retry-after"), Some("1"));
 }
 
-/// I1, I2: any number of concurrent duplicates execute once; every 2xx is the same.
+/// I1, §4.1: of 50 identical requests released together, one executes; the other
+/// 49 are told 409 at once, all while the winner is still held at a gate (so none
+/// of them waited for it, and none could be a replay).
 async fn concurrent_duplicates_execute_once<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
-    let req = Req::post("alice", "storm-1", BODY).header("x-sleep-ms", 500);
-    let got = send_all(&app, vec![req.clone(); 50]).await;
-
-    let executed: Vec<_> = got
-        .iter()
-        .filter(|g| g.outcome == Some(Outcome::Executed))
-        .collect();
-    assert_eq!(executed.len(), 1, "exactly one execution");
-    for g in &got {
-        match g.status {
-            201 => assert_eq!(g.body, executed[0].body, "every 2xx is the first one"),
-            _ => assert_in_flight(g),
-        }
+    let key = format!("storm-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY)
+        .header("x-gate", &key)
+        .header("x-lock-ms", 30_000);
+    let barrier = Arc::new(Barrier::new(50));
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let (app, req, barrier) = (app.clone(), req.clone(), Arc::clone(&barrier));
+        requests.spawn(async move {
+            barrier.wait().await;
+            send(&app, &req).await
+        });
     }
-    assert_eq!(h.effects("alice").await, 1, "one business row");
-    // Duplicates that arrive while the first runs are told at once, not queued
-    // behind it until it commits.
+    let mut early = Vec::new();
+    // Far longer than answering takes, far shorter than SQLite's 30 s busy timeout.
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while early.len() < 49 {
+            early.push(requests.join_next().await.expect("task").expect("request"));
+        }
+    })
+    .await;
+    app::open_gate(&key);
     assert!(
-        got.iter().any(|g| g.status == 409),
-        "no duplicate saw in-flight"
+        waited.is_ok(),
+        "a duplicate waited for the executor: {early:?}"
     );
-    let after = send(&app, &req).await;
+    for got in &early {
+        assert_in_flight(got);
+    }
+    let winner = requests.join_next().await.expect("task").expect("request");
+    assert_eq!(winner.status, 201, "{}", winner.text());
+    assert_eq!(winner.outcome, Some(Outcome::Executed));
+    assert_eq!(h.effects("alice").await, 1, "one business row");
+
+    let after = send(&app, &Req::post("alice", &key, BODY)).await;
     assert_eq!(after.outcome, Some(Outcome::Replayed));
-    assert_eq!(after.body, executed[0].body);
+    assert_eq!(after.body, winner.body);
     assert_eq!(h.effects("alice").await, 1);
     let rows = h.key_rows("alice").await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].1.state, "completed");
     h.finish().await;
+}
+
+/// §4.1: while one execution holds the key, every duplicate is answered 409 at
+/// once: none waits for it (the executor is held at a gate until all have answered).
+async fn duplicates_in_flight_answer_at_once<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let key = format!("k-gated-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY).header("x-lock-ms", 20_000);
+    let first = {
+        let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(&key) {
+        assert!(Instant::now() < deadline, "first request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let duplicates = tokio::time::timeout(
+        Duration::from_secs(10),
+        send_all(&app, vec![req.clone(); 30]),
+    )
+    .await;
+    app::open_gate(&key);
+    let duplicates = duplicates.expect("a duplicate waited for the executor");
+    for got in &duplicates {
+        assert_in_flight(got);
+    }
+    let first = first.await.expect("first request");
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+fn unique_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
 
 /// I2: the replay carries status, stored headers and body bytes; never Set-Cookie.
@@ -397,9 +453,7 @@ async fn dropped_callers_still_complete<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
     // Unique across runs: the set of started keys is process-wide.
-    let ns = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
+    let ns = unique_suffix();
     let keys: Vec<String> = (0..6).map(|i| format!("k-drop-{i}-{ns}")).collect();
     for (i, key) in keys.iter().enumerate() {
         let req = Req::post("alice", key, BODY).header("x-sleep-ms", 100 + 50 * i);
@@ -530,6 +584,7 @@ macro_rules! conformance {
 
 conformance!(
     concurrent_duplicates_execute_once,
+    duplicates_in_flight_answer_at_once,
     replay_is_byte_identical_without_cookies,
     mismatch_is_refused_and_record_untouched,
     scopes_are_isolated,

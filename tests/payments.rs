@@ -1,0 +1,404 @@
+//! The payments example, run as a real process and driven over HTTP: its contract
+//! (README and `examples/payments.rs`) on SQLite and on PostgreSQL.
+
+#![allow(missing_docs)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::sync::Barrier;
+
+/// The example binary, built by `cargo test` (or now, when run with `--test`).
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let binary = dir.join("examples").join("payments");
+    if !binary.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--example", "payments"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "building the payments example failed");
+    }
+    binary
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start(database_url: &str, dir: &std::path::Path) -> Server {
+    let mut child = tokio::task::spawn_blocking({
+        let url = database_url.to_owned();
+        let dir = dir.to_owned();
+        move || {
+            Command::new(example_binary())
+                .env("DATABASE_URL", url)
+                .env("BIND", "127.0.0.1:0")
+                .env("PROVIDER_LATENCY_MS", "150")
+                .current_dir(dir)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start the payments example")
+        }
+    })
+    .await
+    .expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let stdout = tokio::process::ChildStdout::from_std(stdout).expect("async stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("the example printed nothing within 60 s")
+        .expect("read stdout")
+        .expect("the example exited");
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {first:?}"))
+        .to_owned();
+    assert!(
+        first.contains(if database_url.starts_with("postgres") {
+            "PostgreSQL"
+        } else {
+            "SQLite"
+        }),
+        "{first}"
+    );
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Server { child, addr }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let kind = self.json()["type"].as_str().unwrap_or_default().to_owned();
+        kind.rsplit('/').next().unwrap_or_default().to_owned()
+    }
+}
+
+/// One HTTP/1.1 request on its own connection.
+async fn call(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.expect("read");
+    let text = String::from_utf8(raw).expect("utf-8 response");
+    let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    Reply {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+const JSON: (&str, &str) = ("content-type", "application/json");
+
+async fn pay(addr: &str, user: &str, key: &str, body: &str) -> Reply {
+    let auth = format!("Bearer {user}");
+    call(
+        addr,
+        "POST",
+        "/payments",
+        &[("authorization", &auth), ("idempotency-key", key), JSON],
+        body,
+    )
+    .await
+}
+
+async fn ledger(addr: &str, user: &str) -> Value {
+    let auth = format!("Bearer {user}");
+    call(addr, "GET", "/payments", &[("authorization", &auth)], "")
+        .await
+        .json()
+}
+
+async fn charges(addr: &str) -> Vec<Value> {
+    let reply = call(addr, "GET", "/provider/charges", &[], "").await;
+    reply.json()["charges"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn contract(addr: &str) {
+    let body = r#"{"amount": 1200, "currency": "JPY", "to": "bob"}"#;
+
+    let anonymous = call(
+        addr,
+        "POST",
+        "/payments",
+        &[("idempotency-key", "k1"), JSON],
+        body,
+    )
+    .await;
+    assert_eq!(anonymous.status, 401);
+    let keyless = call(
+        addr,
+        "POST",
+        "/payments",
+        &[("authorization", "Bearer alice"), JSON],
+        body,
+    )
+    .await;
+    assert_eq!(
+        (keyless.status, keyless.problem()),
+        (400, "missing-key".into())
+    );
+    let bad = pay(addr, "alice", "k1", r#"{"amount": "lots"}"#).await;
+    assert_eq!(bad.status, 422, "{bad:?}");
+    let negative = pay(
+        addr,
+        "alice",
+        "k-neg",
+        r#"{"amount": -5, "currency": "JPY", "to": "bob"}"#,
+    )
+    .await;
+    assert_eq!(negative.status, 422);
+    assert!(
+        charges(addr).await.is_empty(),
+        "no charge for refused requests"
+    );
+
+    let first = pay(addr, "alice", "k1", body).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let payment = first.json();
+    for field in ["id", "amount", "currency", "to", "charge_id"] {
+        assert!(!payment[field].is_null(), "{field} in {payment}");
+    }
+    assert_eq!(payment["amount"], 1200);
+    let id = payment["id"].as_i64().expect("numeric id");
+    assert_eq!(
+        first.header("location"),
+        Some(format!("/payments/{id}").as_str())
+    );
+
+    let again = pay(addr, "alice", "\"k1\"", body).await;
+    assert_eq!(again.status, 201);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body, "replayed byte for byte");
+    assert_eq!(again.header("location"), first.header("location"));
+
+    let mismatch = pay(
+        addr,
+        "alice",
+        "k1",
+        r#"{"amount": 9999, "currency": "JPY", "to": "bob"}"#,
+    )
+    .await;
+    assert_eq!(
+        (mismatch.status, mismatch.problem()),
+        (422, "payload-mismatch".into())
+    );
+
+    let broke = pay(
+        addr,
+        "alice",
+        "k-huge",
+        r#"{"amount": 5000000, "currency": "JPY", "to": "bob"}"#,
+    )
+    .await;
+    assert_eq!(
+        (broke.status, broke.problem()),
+        (402, "insufficient-funds".into())
+    );
+    let broke_again = pay(
+        addr,
+        "alice",
+        "k-huge",
+        r#"{"amount": 5000000, "currency": "JPY", "to": "bob"}"#,
+    )
+    .await;
+    assert_eq!(broke_again.status, 402);
+    assert_eq!(broke_again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(broke_again.body, broke.body);
+
+    let mine = ledger(addr, "alice").await;
+    assert_eq!(mine["balance"], 1_000_000 - 1200);
+    assert_eq!(mine["payments"].as_array().map(Vec::len), Some(1));
+    assert_eq!(ledger(addr, "nobody").await["balance"], 1_000_000);
+    let path = format!("/payments/{id}");
+    let own = call(addr, "GET", &path, &[("authorization", "Bearer alice")], "").await;
+    assert_eq!(own.status, 200);
+    let foreign = call(
+        addr,
+        "GET",
+        &path,
+        &[("authorization", "Bearer mallory")],
+        "",
+    )
+    .await;
+    assert_eq!(foreign.status, 404);
+
+    // The same key from another user is another payment, with its own charge.
+    let bob = pay(addr, "bob", "k1", body).await;
+    assert_eq!(bob.status, 201);
+    assert!(bob.header("idempotent-replayed").is_none());
+    let all = charges(addr).await;
+    assert_eq!(all.len(), 2, "{all:?}");
+    assert_ne!(all[0]["key"], all[1]["key"], "relayed keys differ per user");
+}
+
+/// Many concurrent retries of one payment: one payment, one charge, one debit.
+async fn storm(addr: &str) {
+    let body = r#"{"amount": 700, "currency": "JPY", "to": "erin"}"#;
+    let barrier = Arc::new(Barrier::new(20));
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (addr, barrier) = (addr.to_owned(), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                pay(&addr, "storm", "k-storm", body).await
+            })
+        })
+        .collect();
+    let mut created = Vec::new();
+    for task in tasks {
+        let reply = task.await.expect("request");
+        match reply.status {
+            201 => created.push(reply.body),
+            409 => assert_eq!(reply.problem(), "in-flight"),
+            other => panic!("unexpected {other}: {reply:?}"),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(
+        created.iter().all(|b| *b == created[0]),
+        "one answer for every 2xx"
+    );
+    let mine = ledger(addr, "storm").await;
+    assert_eq!(mine["payments"].as_array().map(Vec::len), Some(1));
+    assert_eq!(mine["balance"], 1_000_000 - 700);
+    let storm_charges = charges(addr)
+        .await
+        .into_iter()
+        .filter(|c| c["user"] == "storm")
+        .count();
+    assert_eq!(storm_charges, 1);
+}
+
+fn scratch_dir() -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("idem_payments_{}_{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn payments_example_on_sqlite_default() {
+    let dir = scratch_dir();
+    // The default DATABASE_URL: payments.db in the working directory.
+    let server = {
+        let url = "sqlite://payments.db";
+        start(url, &dir).await
+    };
+    assert!(
+        dir.join("payments.db").exists(),
+        "created in the working directory"
+    );
+    let started = Instant::now();
+    contract(&server.addr).await;
+    storm(&server.addr).await;
+    eprintln!("sqlite payments contract: {:?}", started.elapsed());
+    drop(server);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn payments_example_on_postgres() {
+    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let admin = match sqlx::PgPool::connect(&base).await {
+        Ok(admin) => admin,
+        Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
+            panic!("PostgreSQL not reachable at {base}: {error}")
+        }
+        Err(error) => {
+            eprintln!(
+                "SKIPPED: PostgreSQL not reachable at {base} ({error}); CI=true makes this a failure"
+            );
+            return;
+        }
+    };
+    let database = format!("idem_payments_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .expect("create database");
+    let url = match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("no database in {base}"),
+    };
+    let dir = scratch_dir();
+    let server = start(&url, &dir).await;
+    contract(&server.addr).await;
+    storm(&server.addr).await;
+    drop(server);
+    let drop_db = format!("DROP DATABASE {database} WITH (FORCE)");
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_db))
+        .execute(&admin)
+        .await;
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -28,11 +28,12 @@
 //! is "the card was charged but we never heard back": the retry runs the handler
 //! again, the provider returns the same charge, and the payment commits once.
 //!
-//! On SQLite the provider keeps its ledger in its own file (`<db>-provider.db`):
+//! On SQLite the provider keeps its ledger in its own file (`payments.db-provider`):
 //! the payment's transaction holds the application database's only write lock
 //! while it waits for the provider, so SQLite runs one payment at a time.
 
 use std::borrow::Cow;
+use std::str::FromStr;
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
@@ -78,11 +79,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             App::<Postgres>::start(pool, provider, latency).await?,
             "PostgreSQL",
         )
-    } else if let Some(path) = url.strip_prefix("sqlite:") {
-        let path = path.trim_start_matches("//");
-        let provider_path = format!("{}-provider.db", path.trim_end_matches(".db"));
-        let pool = sqlite_pool(path, 8).await?;
-        let provider = sqlite_pool(&provider_path, 2).await?;
+    } else if url.starts_with("sqlite:") {
+        let options = SqliteConnectOptions::from_str(&url)?;
+        // The provider's ledger sits beside the database, in a file of its own.
+        let mut provider_path = options.get_filename().as_os_str().to_owned();
+        provider_path.push("-provider");
+        let pool = sqlite_pool(options, 8).await?;
+        let provider = sqlite_pool(SqliteConnectOptions::new().filename(provider_path), 2).await?;
         (
             App::<Sqlite>::start(pool, provider, latency).await?,
             "SQLite",
@@ -101,9 +104,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-async fn sqlite_pool(path: &str, size: u32) -> Result<Pool<Sqlite>, sqlx::Error> {
-    let options = SqliteConnectOptions::new()
-        .filename(path)
+async fn sqlite_pool(
+    options: SqliteConnectOptions,
+    size: u32,
+) -> Result<Pool<Sqlite>, sqlx::Error> {
+    let options = options
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));

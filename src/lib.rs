@@ -23,15 +23,77 @@
 //! Every answer idem gives itself is an RFC 9457 `application/problem+json` body
 //! whose `type` ends with the slug above (see [`Problem`]).
 //!
+//! # The attribute
+//!
+//! [`idempotent`] rewrites an axum handler so that its body runs inside the
+//! engine, on a transaction it writes through:
+//!
+//! ```rust,no_run
+//! use axum::{Json, Router, extract::FromRef, http::StatusCode, routing::post};
+//! use idem::{Idempotency, IdempotencyKey, Tx, idempotent};
+//! use sqlx::Postgres;
+//! # use axum::{extract::FromRequestParts, http::request::Parts};
+//! # /// The authenticated user, from a real auth layer in your application.
+//! # struct User(String);
+//! # impl<S: Send + Sync> FromRequestParts<S> for User {
+//! #     type Rejection = StatusCode;
+//! #     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+//! #         let user = parts.headers.get("x-user").and_then(|v| v.to_str().ok());
+//! #         user.map(|u| User(u.to_owned())).ok_or(StatusCode::UNAUTHORIZED)
+//! #     }
+//! # }
+//! # impl idem::Scope for User {
+//! #     fn scope(&self) -> std::borrow::Cow<'_, str> {
+//! #         self.0.as_str().into()
+//! #     }
+//! # }
+//!
+//! #[derive(Clone, FromRef)]
+//! struct AppState {
+//!     idempotency: Idempotency<Postgres>,
+//! }
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Transfer {
+//!     to: String,
+//!     amount: i64,
+//! }
+//!
+//! #[idempotent(scope = "user", ttl = "24h", lock = "30s", required = true)]
+//! async fn transfer(
+//!     user: User,
+//!     key: IdempotencyKey,
+//!     mut tx: Tx<Postgres>,
+//!     Json(t): Json<Transfer>,
+//! ) -> Result<StatusCode, StatusCode> {
+//!     sqlx::query("INSERT INTO transfers (owner, payee, amount, ref) VALUES ($1, $2, $3, $4)")
+//!         .bind(&user.0)
+//!         .bind(&t.to)
+//!         .bind(t.amount)
+//!         .bind(key.derive("ledger"))
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+//!     Ok(StatusCode::CREATED)
+//! }
+//!
+//! fn app(state: AppState) -> Router {
+//!     Router::new().route("/transfers", post(transfer)).with_state(state)
+//! }
+//! ```
+//!
+//! See [`idempotent`] for its options and parameters.
+//!
 //! # Backends
 //!
 //! - PostgreSQL (feature `postgres`): the claim lives inside the handler's
 //!   transaction, guarded by a transaction-scoped advisory try-lock, so a duplicate
 //!   answers 409 at once and a dead executor's claim vanishes with its connection.
-//!   See [`Backend`] for what each backend relies on.
 //! - SQLite (feature `sqlite`): a committed claim with a lease, then the handler's
 //!   `BEGIN IMMEDIATE` transaction. One writer at a time: a handler holds SQLite's
 //!   write lock for as long as its transaction is open.
+//!
+//! [`Backend`] describes how each keeps the contract and what that costs, measured.
 //!
 //! # Using it by hand
 //!
@@ -77,6 +139,73 @@
 //! # Ok(()) }
 //! ```
 
+/// Makes an axum handler exactly-once under the `Idempotency-Key` header.
+///
+/// ```text
+/// #[idempotent(scope = "user_id", ttl = "24h", lock = "30s", required = true)]
+/// ```
+///
+/// # Options
+///
+/// | option | value | default |
+/// | --- | --- | --- |
+/// | `scope` | the name of a parameter whose value scopes keys, e.g. the authenticated user; its type implements [`Scope`] | none: one scope for everyone |
+/// | `ttl` | how long a key is remembered: `"500ms"`, `"30s"`, `"15m"`, `"24h"`, `"3d"` | `"24h"` |
+/// | `lock` | the longest one execution may hold the key; shorter than `ttl` | `"30s"` |
+/// | `required` | refuse requests without a key with 400 `missing-key` | `false` |
+/// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
+///
+/// Without `scope` every client shares one key space: two clients that send the
+/// same key get each other's response. Use it on any endpoint that knows who calls.
+///
+/// # Parameters
+///
+/// The rewritten function is still a plain axum handler (`post(handler)`), taking
+/// the same extractors in the same order, plus:
+///
+/// - `tx: Tx<DB>`: the transaction the response is recorded in. Write through it
+///   (`query.execute(&mut *tx)`); the handler's writes commit with the response when
+///   it answers below 500, and are rolled back otherwise. Write the type as `Tx<DB>`.
+/// - `key: IdempotencyKey` (which makes the endpoint `required`) or
+///   `key: Option<IdempotencyKey>`: the client's key, bound to the scope, for relay
+///   to downstream providers; [`IdempotencyKey::derive`] gives stable sub-keys.
+///
+/// The last extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any other) is
+/// handed the body as received, after it is buffered (within axum's
+/// `DefaultBodyLimit`; over it, 413 `payload-too-large`) and fingerprinted. If it
+/// rejects the request, its rejection is the answer and nothing is stored.
+///
+/// The handler's body, attributes, doc comments, visibility and generics are kept;
+/// `?` and `return` behave as written. It runs in its own task, so a client that
+/// disconnects cannot cut it short between claim and commit; its captured values
+/// must be `Send + 'static`, as axum's handlers already are.
+///
+/// # Errors
+///
+/// Misuse is a compile error spanned on the offending tokens: an unknown or
+/// repeated option, a malformed or zero duration, `lock` not shorter than `ttl`,
+/// `scope` naming no parameter or a type that is not a [`Scope`], a function that is
+/// not `async`, two `Tx` parameters, a non-boolean `required`. At run time, every
+/// answer idem gives itself is listed in the crate docs' table.
+///
+/// # Examples
+///
+/// ```rust,no_run
+/// use axum::{Json, http::StatusCode};
+/// use idem::{IdempotencyKey, idempotent};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Ping {
+///     message: String,
+/// }
+///
+/// // No transaction: the store's database is named with `db`.
+/// #[idempotent(db = sqlx::Sqlite, ttl = "1h", lock = "5s")]
+/// async fn ping(key: Option<IdempotencyKey>, Json(ping): Json<Ping>) -> (StatusCode, String) {
+///     let reference = key.map(|k| k.derive("ping")).unwrap_or_default();
+///     (StatusCode::OK, format!("{} {reference}", ping.message))
+/// }
+/// ```
 pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,

@@ -11,6 +11,8 @@ use sqlx::{Database, Transaction};
 /// [`sqlx::Sqlite`] (feature `sqlite`).
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API.
+///
+#[doc = include_str!("../../docs/backends.md")]
 pub trait Backend: Database + sealed::Store {}
 
 impl<DB: Database + sealed::Store> Backend for DB {}

@@ -1,31 +1,7 @@
 //! PostgreSQL: the claim lives inside the handler's own transaction.
 //!
-//! A primary-key lookup first (a replay needs nothing else), then one transaction
-//! for everything else: `BEGIN`, claim, the handler's writes, record, `COMMIT`.
-//! Hand-written minimal SQL behind axum on this project's two-core machine ran that
-//! design at 0.65× a bare transactional handler, against 0.45× for a claim
-//! committed on its own first; and a crashed executor needs no lease expiry: the
-//! server ends its transaction and the claim goes with it. `cargo bench --bench
-//! engine` (32 callers on 32 connections, no HTTP) measured: bare 9011 req/s, the
-//! hand-written design 5067 (0.56×), idem's first requests 4452 (0.49×, 0.88 of the
-//! hand-written floor), replays 25085 (2.78×).
-//!
-//! - Concurrent duplicates answer 409 at once instead of waiting on the uncommitted
-//!   row of the unique index: the claim is taken only together with
-//!   `pg_try_advisory_xact_lock` on a hash of (schema, table, scope, key), which never
-//!   waits.
-//!   The lock is held exactly as long as the executor's transaction, so a live
-//!   executor is never taken over.
-//! - A stuck executor cannot hold its key past `lock`: the claim statement also sets
-//!   `statement_timeout` and `idle_in_transaction_session_timeout` to `lock` for its
-//!   transaction (`set_config(.., true)`, no extra round trip), so the server ends it
-//!   even if the application process is frozen; the engine cancels the handler at
-//!   the same deadline; and the record is conditional on
-//!   `locked_until > clock_timestamp()`. `clock_timestamp()`, not `now()`: `now()` is
-//!   the time the transaction started.
-//! - A free key is claimed with a plain `INSERT`; a key whose row has expired, or is
-//!   a `processing` row past `locked_until` (never committed by this backend, but
-//!   possible from another writer), with a compare-and-swap `UPDATE` on that state.
+//! The design and its measured cost are described in `docs/backends.md` (rendered
+//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs.
 
 use std::sync::Arc;
 

@@ -1,37 +1,7 @@
 //! SQLite: a committed claim with a lease, then the handler's own transaction.
 //!
-//! SQLite has one writer at a time, and a write transaction holds it from `BEGIN
-//! IMMEDIATE` to `COMMIT`. A claim inside the handler's transaction would make every
-//! duplicate queue behind that lock instead of answering 409 at once, so here the
-//! claim is its own short autocommit statement: a `processing` row with a random
-//! lease and `locked_until`. Readers are never blocked in WAL mode, so a duplicate
-//! sees the committed claim and answers 409 while the handler runs; one that tried
-//! to claim while the handler held the write lock finds out the same way (see
-//! `claim_row`) instead of waiting for it.
-//!
-//! - The handler's transaction begins `IMMEDIATE`: a deferred transaction that reads
-//!   and then writes fails with `SQLITE_BUSY` as soon as another writer committed in
-//!   between, and the record at its end always writes. The claim is one autocommit
-//!   statement, which takes the write lock before reading.
-//! - A handler holds the database's only write lock for as long as its transaction
-//!   is open: keyed handlers run one at a time, so throughput is bounded by
-//!   1 / (time a handler runs). Measured with `cargo bench --bench engine` (32
-//!   callers, 8 connections, two cores): a bare write transaction 3281 req/s;
-//!   keyed first requests 1563 req/s (two write transactions each: the claim and
-//!   the handler's); with the handler also waiting 2 ms, 238 req/s; 10 ms, 80 req/s
-//!   with a p99 above one second, as waiters queue on the busy timeout. A handler
-//!   that calls a slow provider serialises every keyed request behind that call:
-//!   use PostgreSQL for that load.
-//! - A crashed process leaves a `processing` row; once `locked_until` has passed a
-//!   retry takes it over with a compare-and-swap in the claim's upsert. The record
-//!   is conditional on the lease and on `locked_until` by SQLite's clock, in the
-//!   same transaction as the handler's writes, so an executor that lost its lease
-//!   commits nothing. After a rollback the claim is deleted, under the same lease.
-//! - Times are Unix milliseconds from `julianday('now')`, which SQLite keeps fixed
-//!   for the whole of one statement.
-//!
-//! Connect with `journal_mode = WAL` and a `busy_timeout` of a few seconds (sqlx's
-//! default is 5 s).
+//! The design and its measured cost are described in `docs/backends.md` (rendered
+//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -5,31 +5,37 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::sync::Barrier;
 
-/// The example binary, built by `cargo test` (or now, when run with `--test`).
+/// The example binary, (re)built once per run: `cargo test --test payments` alone
+/// would otherwise find a stale one, or none.
 fn example_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target dir");
-    let binary = dir.join("examples").join("payments");
-    if !binary.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--example", "payments"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "building the payments example failed");
-    }
-    binary
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("test exe");
+            let profile_dir = exe
+                .parent()
+                .and_then(|deps| deps.parent())
+                .expect("target dir");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut build = Command::new(cargo);
+            build
+                .args(["build", "--example", "payments"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"));
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build.status().expect("run cargo build");
+            assert!(status.success(), "building the payments example failed");
+            profile_dir.join("examples").join("payments")
+        })
+        .clone()
 }
 
 struct Server {

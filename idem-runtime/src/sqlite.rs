@@ -103,11 +103,14 @@ impl Store for Sqlite {
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<Option<Transaction<'c, Sqlite>>, sqlx::Error> {
-        if !claim_row(conn, sql, id, claim).await? {
+        let Some(patience) = claim_row(conn, sql, id, claim).await? else {
             return Ok(None);
-        }
-        // If this fails the claim is committed: the engine releases it.
-        conn.begin_with("BEGIN IMMEDIATE").await.map(Some)
+        };
+        // The busy timeout comes back in the same round trip as the `BEGIN`, which
+        // must wait for the writer as configured. If this fails the claim is
+        // committed: the engine releases it.
+        let begin = format!("PRAGMA busy_timeout = {patience}; BEGIN IMMEDIATE");
+        conn.begin_with(AssertSqlSafe(begin)).await.map(Some)
     }
 
     async fn idem_begin(
@@ -164,18 +167,23 @@ impl Store for Sqlite {
 ///
 /// One upsert covers a free key and a takeover: with one writer there is no
 /// speculative insertion to avoid.
+///
+/// Returns the connection's busy timeout (ms) when the row was claimed, for the
+/// caller to restore with its `BEGIN`; otherwise it is restored here.
 async fn claim_row(
     conn: &mut SqliteConnection,
     sql: &Sql,
     id: &Identity<'_>,
     claim: Claim,
-) -> Result<bool, sqlx::Error> {
-    let patience: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(&mut *conn)
+) -> Result<Option<i64>, sqlx::Error> {
+    // Read and clear in one round trip: the first row is the value before.
+    let before = sqlx::raw_sql("PRAGMA busy_timeout; PRAGMA busy_timeout = 0")
+        .fetch_all(&mut *conn)
         .await?;
-    sqlx::query("PRAGMA busy_timeout = 0")
-        .execute(&mut *conn)
-        .await?;
+    let patience: i64 = match before.first() {
+        Some(row) => row.try_get(0)?,
+        None => return Err(sqlx::Error::RowNotFound),
+    };
     let deadline = Instant::now() + Duration::from_millis(patience.max(0).unsigned_abs());
     let mut pause = Duration::from_millis(1);
     let outcome = loop {
@@ -191,11 +199,12 @@ async fn claim_row(
             .fetch_optional(&mut *conn)
             .await;
         match upsert {
-            Ok(row) => break Ok(row.is_some()),
+            Ok(Some(_)) => return Ok(Some(patience)),
+            Ok(None) => break Ok(None),
             Err(error) if is_busy(&error) => {
                 match Sqlite::idem_lookup(conn, sql, id).await {
                     Ok(Some(found)) if found.fresh && (found.completed || found.live) => {
-                        break Ok(false);
+                        break Ok(None);
                     }
                     Ok(_) if Instant::now() < deadline => {}
                     Ok(_) => break Err(error),
@@ -207,8 +216,6 @@ async fn claim_row(
             Err(error) => break Err(error),
         }
     };
-    // Restored before anything else runs on this connection: the handler's
-    // `BEGIN IMMEDIATE` must wait for the writer as configured.
     let restore = format!("PRAGMA busy_timeout = {patience}");
     sqlx::query(AssertSqlSafe(restore))
         .execute(&mut *conn)

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Method, Response, StatusCode, Uri};
 use http_body_util::Full;
-use idem::{Backend, Idempotency, IdempotencyKey, Options, RequestIdentity};
+use idem::{Backend, Idempotency, IdempotencyKey, Options, Outcome, RequestIdentity};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
@@ -102,23 +102,23 @@ fn identity(key: &str) -> RequestIdentity {
     RequestIdentity::new(key, "bench", &Method::POST, &uri, br#"{"amount":1}"#)
 }
 
-/// `idem-first` and `idem-replay` for one backend; `insert` is its business write.
+/// `idem-first` and `idem-replay` for one backend.
 async fn idem_variants<DB: Backend>(
     settings: &Settings,
     backend: &'static str,
     store: Idempotency<DB>,
-    insert: &'static str,
     wait: Duration,
     rows: &mut Vec<Row>,
 ) where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
 {
-    let run = move |store: Idempotency<DB>, key: String| async move {
+    // Every request must have done what its variant measures.
+    let run = move |store: Idempotency<DB>, key: String, expect: Outcome| async move {
         let response = store
             .execute(identity(&key), Options::new(), move |mut tx| {
                 Box::pin(async move {
-                    let done = sqlx::query(insert).execute(&mut *tx).await;
+                    let done = sqlx::query(INSERT).execute(&mut *tx).await;
                     if !wait.is_zero() {
                         tokio::time::sleep(wait).await;
                     }
@@ -130,19 +130,26 @@ async fn idem_variants<DB: Backend>(
             })
             .await;
         assert!(response.status().is_success(), "{response:?}");
+        assert_eq!(
+            response.extensions().get::<Outcome>(),
+            Some(&expect),
+            "{key}"
+        );
     };
 
-    let first = {
-        let store = store.clone();
-        measure(settings, move |_, n| {
-            run(store.clone(), format!("first-{n}"))
-        })
-        .await
-    };
     let suffix = if wait.is_zero() {
         String::new()
     } else {
         format!(" +{}ms", wait.as_millis())
+    };
+    // Keys of their own per variant: a key another variant completed would replay.
+    let prefix = format!("first{}", suffix.trim());
+    let first = {
+        let (store, prefix) = (store.clone(), prefix.clone());
+        measure(settings, move |_, n| {
+            run(store.clone(), format!("{prefix}-{n}"), Outcome::Executed)
+        })
+        .await
     };
     rows.push(Row {
         backend,
@@ -160,7 +167,8 @@ async fn idem_variants<DB: Backend>(
     let replay = {
         let store = store.clone();
         measure(settings, move |_, n| {
-            run(store.clone(), format!("first-{}", n % completed))
+            let key = format!("{prefix}-{}", n % completed);
+            run(store.clone(), key, Outcome::Replayed)
         })
         .await
     };
@@ -178,7 +186,6 @@ async fn bare<DB: Backend>(
     settings: &Settings,
     backend: &'static str,
     pool: Pool<DB>,
-    insert: &'static str,
     rows: &mut Vec<Row>,
 ) where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -188,7 +195,7 @@ async fn bare<DB: Backend>(
         let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.expect("begin");
-            sqlx::query(insert).execute(&mut *tx).await.expect("insert");
+            sqlx::query(INSERT).execute(&mut *tx).await.expect("insert");
             tx.commit().await.expect("commit");
         }
     })
@@ -201,6 +208,24 @@ async fn bare<DB: Backend>(
         p50,
         p99,
     });
+}
+
+/// The business write every variant makes.
+const INSERT: &str = "INSERT INTO effects (note) VALUES ('x')";
+
+/// Creates the business table (`id` declared as `id_column`) and the key table.
+async fn prepare<DB: Backend>(pool: &Pool<DB>, id_column: &str) -> Idempotency<DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let ddl = format!("CREATE TABLE effects (id {id_column}, note TEXT NOT NULL)");
+    sqlx::raw_sql(AssertSqlSafe(ddl))
+        .execute(&mut *pool.acquire().await.expect("connection"))
+        .await
+        .expect("effects");
+    let store = Idempotency::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    store
 }
 
 async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
@@ -225,15 +250,9 @@ async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
         .connect_with(options.options([("search_path", schema.as_str())]))
         .await
         .expect("pool");
-    sqlx::raw_sql("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .expect("effects");
-    let store = Idempotency::new(pool.clone());
-    store.migrate().await.expect("migrate");
-    let insert = "INSERT INTO effects (note) VALUES ('x')";
+    let store = prepare(&pool, "BIGSERIAL PRIMARY KEY").await;
 
-    bare(settings, "postgres", pool.clone(), insert, rows).await;
+    bare(settings, "postgres", pool.clone(), rows).await;
 
     let hand = pool.clone();
     let (requests, rate, p50, p99) = measure(settings, move |_, n| {
@@ -262,7 +281,7 @@ async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
             .execute(&mut *tx)
             .await
             .expect("claim");
-            sqlx::query("INSERT INTO effects (note) VALUES ('x')")
+            sqlx::query(INSERT)
                 .execute(&mut *tx)
                 .await
                 .expect("insert");
@@ -287,7 +306,7 @@ async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
         p99,
     });
 
-    idem_variants(settings, "postgres", store, insert, Duration::ZERO, rows).await;
+    idem_variants(settings, "postgres", store, Duration::ZERO, rows).await;
     pool.close().await;
     let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&admin)
@@ -307,33 +326,15 @@ async fn sqlite(settings: &Settings, rows: &mut Vec<Row>) {
         )
         .await
         .expect("sqlite");
-    sqlx::raw_sql(
-        "CREATE TABLE effects (id INTEGER PRIMARY KEY AUTOINCREMENT, note TEXT NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .expect("effects");
-    let store = Idempotency::new(pool.clone());
-    store.migrate().await.expect("migrate");
-    let insert = "INSERT INTO effects (note) VALUES ('x')";
+    let store = prepare(&pool, "INTEGER PRIMARY KEY AUTOINCREMENT").await;
 
-    bare(settings, "sqlite", pool.clone(), insert, rows).await;
-    idem_variants(
-        settings,
-        "sqlite",
-        store.clone(),
-        insert,
-        Duration::ZERO,
-        rows,
-    )
-    .await;
+    bare(settings, "sqlite", pool.clone(), rows).await;
+    idem_variants(settings, "sqlite", store.clone(), Duration::ZERO, rows).await;
     for ms in [2, 10] {
-        let fresh = Idempotency::builder(pool.clone()).build().expect("store");
         idem_variants(
             settings,
             "sqlite",
-            fresh,
-            insert,
+            store.clone(),
             Duration::from_millis(ms),
             rows,
         )

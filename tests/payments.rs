@@ -245,36 +245,20 @@ async fn contract(addr: &str) {
     assert_eq!(again.body, first.body, "replayed byte for byte");
     assert_eq!(again.header("location"), first.header("location"));
 
-    let mismatch = pay(
-        addr,
-        "alice",
-        "k1",
-        r#"{"amount": 9999, "currency": "JPY", "to": "bob"}"#,
-    )
-    .await;
+    let other = r#"{"amount": 9999, "currency": "JPY", "to": "bob"}"#;
+    let mismatch = pay(addr, "alice", "k1", other).await;
     assert_eq!(
         (mismatch.status, mismatch.problem()),
         (422, "payload-mismatch".into())
     );
 
-    let broke = pay(
-        addr,
-        "alice",
-        "k-huge",
-        r#"{"amount": 5000000, "currency": "JPY", "to": "bob"}"#,
-    )
-    .await;
+    let huge = r#"{"amount": 5000000, "currency": "JPY", "to": "bob"}"#;
+    let broke = pay(addr, "alice", "k-huge", huge).await;
     assert_eq!(
         (broke.status, broke.problem()),
         (402, "insufficient-funds".into())
     );
-    let broke_again = pay(
-        addr,
-        "alice",
-        "k-huge",
-        r#"{"amount": 5000000, "currency": "JPY", "to": "bob"}"#,
-    )
-    .await;
+    let broke_again = pay(addr, "alice", "k-huge", huge).await;
     assert_eq!(broke_again.status, 402);
     assert_eq!(broke_again.header("idempotent-replayed"), Some("true"));
     assert_eq!(broke_again.body, broke.body);

@@ -301,11 +301,12 @@ impl<'a> Handler<'a> {
         }
         let mut names = Vec::new();
         for param in &self.extracted {
-            collect_names(&param.pat, &mut names);
+            bindings(&param.pat, &mut names);
         }
         let hint = if names.is_empty() {
             "the handler has no parameters to scope by".to_owned()
         } else {
+            let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
             format!("parameters: {}", names.join(", "))
         };
         Err(Error::new_spanned(
@@ -356,38 +357,31 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
     }
 }
 
-/// The binding named `wanted` in `pat`, wherever it sits (`user_id`,
-/// `AuthUser(user_id)`, `Path((org, user_id))`, ...).
-fn binds<'p>(pat: &'p Pat, wanted: &str) -> Option<&'p Ident> {
+/// Every name `pat` binds, wherever it sits (`user_id`, `AuthUser(user_id)`,
+/// `Path((org, user_id))`, ...).
+fn bindings<'p>(pat: &'p Pat, out: &mut Vec<&'p Ident>) {
     match pat {
-        Pat::Ident(p) if p.ident == wanted => Some(&p.ident),
-        Pat::Ident(p) => p.subpat.as_ref().and_then(|(_, sub)| binds(sub, wanted)),
-        Pat::Tuple(t) => t.elems.iter().find_map(|p| binds(p, wanted)),
-        Pat::TupleStruct(t) => t.elems.iter().find_map(|p| binds(p, wanted)),
-        Pat::Struct(s) => s.fields.iter().find_map(|f| binds(&f.pat, wanted)),
-        Pat::Reference(r) => binds(&r.pat, wanted),
-        Pat::Paren(p) => binds(&p.pat, wanted),
-        Pat::Slice(s) => s.elems.iter().find_map(|p| binds(p, wanted)),
-        _ => None,
+        Pat::Ident(p) => {
+            out.push(&p.ident);
+            if let Some((_, sub)) = &p.subpat {
+                bindings(sub, out);
+            }
+        }
+        Pat::Tuple(t) => t.elems.iter().for_each(|p| bindings(p, out)),
+        Pat::TupleStruct(t) => t.elems.iter().for_each(|p| bindings(p, out)),
+        Pat::Struct(s) => s.fields.iter().for_each(|f| bindings(&f.pat, out)),
+        Pat::Reference(r) => bindings(&r.pat, out),
+        Pat::Paren(p) => bindings(&p.pat, out),
+        Pat::Slice(s) => s.elems.iter().for_each(|p| bindings(p, out)),
+        _ => {}
     }
 }
 
-fn collect_names(pat: &Pat, out: &mut Vec<String>) {
-    match pat {
-        Pat::Ident(p) => {
-            out.push(format!("`{}`", p.ident));
-            if let Some((_, sub)) = &p.subpat {
-                collect_names(sub, out);
-            }
-        }
-        Pat::Tuple(t) => t.elems.iter().for_each(|p| collect_names(p, out)),
-        Pat::TupleStruct(t) => t.elems.iter().for_each(|p| collect_names(p, out)),
-        Pat::Struct(s) => s.fields.iter().for_each(|f| collect_names(&f.pat, out)),
-        Pat::Reference(r) => collect_names(&r.pat, out),
-        Pat::Paren(p) => collect_names(&p.pat, out),
-        Pat::Slice(s) => s.elems.iter().for_each(|p| collect_names(p, out)),
-        _ => {}
-    }
+/// The binding named `wanted` in `pat`, if any.
+fn binds<'p>(pat: &'p Pat, wanted: &str) -> Option<&'p Ident> {
+    let mut names = Vec::new();
+    bindings(pat, &mut names);
+    names.into_iter().find(|ident| *ident == wanted)
 }
 
 /// An unreachable `return` of the declared type, so that `?` inside the body knows

@@ -62,6 +62,33 @@ pub struct Claim {
     pub replace: bool,
 }
 
+impl Claim {
+    /// Binds `$1`..`$8`, the parameters every backend's claim statement starts with:
+    /// scope, key, lease, method, path, fingerprint, lock (ms), ttl (ms).
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn bind<'q, DB>(
+        &self,
+        id: &Identity<'_>,
+        query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    ) -> sqlx::query::Query<'q, DB, DB::Arguments>
+    where
+        DB: Database,
+        for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+        for<'e> &'e [u8]: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+        for<'e> i64: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    {
+        query
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(self.lease)
+            .bind(id.method)
+            .bind(id.path)
+            .bind(&id.fingerprint[..])
+            .bind(self.lock_ms)
+            .bind(self.ttl_ms)
+    }
+}
+
 /// A response ready to be recorded.
 pub struct Recorded<'a> {
     pub status: i32,

@@ -38,9 +38,13 @@ pub use store::{
 #[cfg(feature = "axum")]
 pub mod __macro_support {
     pub use crate::axum::{Buffered, IdempotentRequest};
-    pub use crate::scope::scope_of;
-    pub use crate::{IdempotencyKey, Options, Problem, Tx};
+    pub use crate::{IdempotencyKey, Options, Problem, Scope, Tx};
     pub use ::axum::response::{IntoResponse, Response};
+
+    /// The scope string of the parameter `scope = "..."` names.
+    pub fn scope_of<T: Scope + ?Sized>(value: &T) -> String {
+        value.scope().into_owned()
+    }
 
     /// The answer for a handler that takes `IdempotencyKey` but got no key. The
     /// engine refuses such requests first (the endpoint is `required`), so this only

@@ -131,15 +131,8 @@ impl Store for Postgres {
             &sql.claim_new
         };
         let mut tx = conn.begin().await?;
-        let claimed = sqlx::query(AssertSqlSafe(statement.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(claim.lease)
-            .bind(id.method)
-            .bind(id.path)
-            .bind(&id.fingerprint[..])
-            .bind(claim.lock_ms)
-            .bind(claim.ttl_ms)
+        let claimed = claim
+            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
             .bind(advisory_key(&sql.table, id))
             .bind(claim.lock_ms.to_string())
             .fetch_optional(&mut *tx)

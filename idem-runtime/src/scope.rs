@@ -88,9 +88,3 @@ macro_rules! integer_scopes {
 integer_scopes!(
     i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize
 );
-
-/// The scope string of `value`; what generated code calls.
-#[doc(hidden)]
-pub fn scope_of<T: Scope + ?Sized>(value: &T) -> String {
-    value.scope().into_owned()
-}

@@ -187,15 +187,8 @@ async fn claim_row(
     let deadline = Instant::now() + Duration::from_millis(patience.max(0).unsigned_abs());
     let mut pause = Duration::from_millis(1);
     let outcome = loop {
-        let upsert = sqlx::query(AssertSqlSafe(sql.claim.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(claim.lease)
-            .bind(id.method)
-            .bind(id.path)
-            .bind(&id.fingerprint[..])
-            .bind(claim.lock_ms)
-            .bind(claim.ttl_ms)
+        let upsert = claim
+            .bind(id, sqlx::query(AssertSqlSafe(sql.claim.clone())))
             .fetch_optional(&mut *conn)
             .await;
         match upsert {

@@ -48,6 +48,19 @@ async fn send_all(app: &axum::Router, reqs: Vec<Req>) -> Vec<Got> {
     out
 }
 
+/// Waits until `scope` holds `count` completed keys; fails if claims stay stuck.
+async fn await_completed<H: Harness>(h: &H, scope: &str, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let rows = h.key_rows(scope).await;
+        if rows.len() == count && rows.iter().all(|(_, r)| r.state == "completed") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "claims stuck: {rows:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn assert_in_flight(got: &Got) {
     assert_eq!(got.status, 409, "{}", got.text());
     assert_eq!(got.problem().as_deref(), Some("in-flight"));
@@ -415,15 +428,7 @@ async fn disconnected_clients_leave_no_stuck_claim<H: Harness>() {
         tokio::time::sleep(Duration::from_millis(20 + 40 * i as u64)).await;
         drop(stream);
     }
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let rows = h.key_rows("alice").await;
-        if rows.len() == keys.len() && rows.iter().all(|(_, r)| r.state == "completed") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "claims stuck: {rows:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    await_completed(&h, "alice", keys.len()).await;
     assert_eq!(h.effects("alice").await, keys.len() as i64);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
@@ -470,15 +475,7 @@ async fn dropped_callers_still_complete<H: Harness>() {
             "caller was dropped"
         );
     }
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let rows = h.key_rows("alice").await;
-        if rows.len() == keys.len() && rows.iter().all(|(_, r)| r.state == "completed") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "claims stuck: {rows:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_completed(&h, "alice", keys.len()).await;
     assert_eq!(h.effects("alice").await, keys.len() as i64);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(h.open_transactions().await, 0);

@@ -73,6 +73,10 @@ pub fn router<H: Harness>(harness: &H) -> Router {
     Router::new()
         .route("/effects", post(effect::<H>).put(effect::<H>))
         .route("/other", post(effect::<H>))
+        .route(
+            "/small",
+            post(effect::<H>).layer(axum::extract::DefaultBodyLimit::max(1024)),
+        )
         .with_state(App::<H> {
             store: harness.store().clone(),
         })

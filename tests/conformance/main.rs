@@ -537,6 +537,22 @@ async fn keys_are_validated<H: Harness>() {
     h.finish().await;
 }
 
+/// A body over the endpoint's limit is refused with 413 problem+json before
+/// anything runs or is stored; one within it runs as usual.
+async fn oversized_body_is_refused<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let big = format!(r#"{{"padding":"{}"}}"#, "x".repeat(2048));
+    let got = send(&app, &Req::post("alice", "k-body", &big).path("/small")).await;
+    assert_eq!(got.status, 413, "{}", got.text());
+    assert_eq!(got.problem().as_deref(), Some("payload-too-large"));
+    assert_eq!(h.effects("alice").await, 0);
+    assert!(h.key_rows("alice").await.is_empty());
+    let fits = send(&app, &Req::post("alice", "k-body", BODY).path("/small")).await;
+    assert_eq!(fits.outcome, Some(Outcome::Executed));
+    h.finish().await;
+}
+
 /// A response over the store's limit is never half-recorded: rolled back, released.
 async fn oversized_response_is_rolled_back<H: Harness>() {
     let Some(h) = H::start(1024).await else {
@@ -593,5 +609,6 @@ conformance!(
     disconnected_clients_leave_no_stuck_claim,
     dropped_callers_still_complete,
     keys_are_validated,
+    oversized_body_is_refused,
     oversized_response_is_rolled_back,
 );

@@ -154,14 +154,17 @@ pub mod sealed {
             response: Recorded<'c>,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
 
-        /// Frees a claim after a rollback, if `lease` still holds it. Backends whose
-        /// claim lives inside the rolled-back transaction have nothing to do.
+        /// Runs after the handler's transaction ended (`committed` or rolled back):
+        /// frees a claim that outlives the transaction (SQLite's committed row, after
+        /// a rollback, if `lease` still holds it) and session state the claim took
+        /// (MySQL's named lock). An error leaves the session suspect.
         #[doc(hidden)]
-        fn idem_release<'c>(
+        fn idem_finish<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             lease: i64,
+            committed: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
     }
 }

@@ -395,6 +395,7 @@ impl<DB: Backend> Idempotency<DB> {
             Some(self.inner.max_response_bytes),
         );
         let clean;
+        let mut committed = false;
         let (outcome, response) = match ran.await {
             Ran::Done(response) if !response.status().is_server_error() => {
                 let headers = encode_headers(response.headers());
@@ -406,12 +407,14 @@ impl<DB: Backend> Idempotency<DB> {
                 match DB::idem_record(&mut tx, sql, &id, lease, recorded).await {
                     Ok(true) => match tx.commit().await {
                         Ok(()) => {
+                            clean = true;
+                            committed = true;
                             let outcome = if takeover {
                                 Outcome::TakenOver
                             } else {
                                 Outcome::Executed
                             };
-                            return (outcome, response);
+                            (outcome, response)
                         }
                         // The commit may or may not have happened: a retry finds out.
                         Err(error) => {
@@ -440,13 +443,15 @@ impl<DB: Backend> Idempotency<DB> {
                 (Outcome::Released, self.failed(ran))
             }
         };
+        if let Err(error) = DB::idem_finish(&mut conn, sql, &id, lease, committed).await {
+            // A claim left behind keeps the key busy until its lock passes, when a
+            // retry takes it over; session state left behind must not be pooled.
+            tracing::warn!(%error, "could not finish the claim");
+            conn.close_on_drop();
+        }
         if !clean {
             // Whatever state the session is in, it is not handed to the next request.
             conn.close_on_drop();
-        }
-        if let Err(error) = DB::idem_release(&mut conn, sql, &id, lease).await {
-            // The key stays busy until its lock passes; then a retry takes it over.
-            tracing::warn!(%error, "could not release the claim");
         }
         (outcome, response)
     }
@@ -464,7 +469,7 @@ impl<DB: Backend> Idempotency<DB> {
         if let Some(error) = error {
             // A backend may have committed its claim before failing; and the
             // session may be left in any state, so it is not reused.
-            let _ = DB::idem_release(conn, sql, id, lease).await;
+            let _ = DB::idem_finish(conn, sql, id, lease, false).await;
             conn.close_on_drop();
             return self.store_failed(&error);
         }

@@ -15,6 +15,8 @@ mod record;
 mod scope;
 mod store;
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]

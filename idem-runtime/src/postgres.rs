@@ -175,13 +175,14 @@ impl Store for Postgres {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn idem_release(
+    async fn idem_finish(
         _conn: &mut PgConnection,
         _sql: &Sql,
         _id: &Identity<'_>,
         _lease: i64,
+        _committed: bool,
     ) -> Result<(), sqlx::Error> {
-        // The claim was part of the transaction that was just rolled back.
+        // The claim and its advisory lock ended with the transaction.
         Ok(())
     }
 }

@@ -138,12 +138,16 @@ impl Store for Sqlite {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn idem_release(
+    async fn idem_finish(
         conn: &mut SqliteConnection,
         sql: &Sql,
         id: &Identity<'_>,
         lease: i64,
+        committed: bool,
     ) -> Result<(), sqlx::Error> {
+        if committed {
+            return Ok(());
+        }
         sqlx::query(AssertSqlSafe(sql.release.clone()))
             .bind(id.scope)
             .bind(id.key)

@@ -143,7 +143,9 @@ async fn effect<H: Harness>(
                 }
                 if !block.is_zero() {
                     // A stall no timer can interrupt: the executor wakes after its lock.
-                    std::thread::sleep(block);
+                    // (block_in_place hands this worker's other tasks to the rest, so
+                    // the stall holds up this executor only.)
+                    tokio::task::block_in_place(|| std::thread::sleep(block));
                 }
                 assert!(!panics, "handler asked to panic");
                 let nonce = SystemTime::now()

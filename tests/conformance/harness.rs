@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem::{Backend, Idempotency, Tx};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{Connection, PgPool, Postgres, Row, Sqlite, SqlitePool};
+use sqlx::{Connection, MySql, MySqlPool, PgPool, Postgres, Row, Sqlite, SqlitePool};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -29,6 +30,10 @@ pub struct KeyRow {
 /// read-backs of what the database holds.
 pub trait Harness: Send + Sync + Sized + 'static {
     type DB: Backend;
+
+    /// SQLite's single writer: a stalled executor's open transaction holds the
+    /// write lock, so a takeover can only happen once it wakes and rolls back.
+    const STALLED_WRITER_BLOCKS_TAKEOVER: bool = false;
 
     /// `None` when the backend is not reachable outside CI (the caller says so).
     fn start(max_response_bytes: usize) -> impl Future<Output = Option<Self>> + Send;
@@ -261,6 +266,8 @@ impl Lite {
 impl Harness for Lite {
     type DB = Sqlite;
 
+    const STALLED_WRITER_BLOCKS_TAKEOVER: bool = true;
+
     async fn start(max_response_bytes: usize) -> Option<Self> {
         let path = std::env::temp_dir().join(format!("{}.db", unique("idem_test")));
         let pool = SqlitePoolOptions::new()
@@ -386,5 +393,166 @@ impl Harness for Lite {
             path.push(suffix);
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+pub struct My {
+    admin: MySqlPool,
+    pool: MySqlPool,
+    store: Idempotency<MySql>,
+    database: String,
+}
+
+impl Harness for My {
+    type DB = MySql;
+
+    async fn start(max_response_bytes: usize) -> Option<Self> {
+        let url = std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_URL");
+        let admin = match MySqlPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone())
+            .await
+        {
+            Ok(admin) => admin,
+            Err(error) if !in_ci() => {
+                eprintln!(
+                    "SKIPPED: MySQL/MariaDB not reachable at {url} ({error}); CI=true makes this a failure"
+                );
+                return None;
+            }
+            Err(error) => panic!("MySQL/MariaDB not reachable at {url}: {error}"),
+        };
+        let database = unique("idem_test");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(24)
+            .connect_with(options.database(&database))
+            .await
+            .expect("connect to test database");
+        sqlx::raw_sql(
+            "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, scope VARCHAR(255) NOT NULL, note TEXT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .expect("create effects");
+        let store = Idempotency::builder(pool.clone())
+            .max_response_bytes(max_response_bytes)
+            .build()
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        Some(Self {
+            admin,
+            pool,
+            store,
+            database,
+        })
+    }
+
+    fn store(&self) -> &Idempotency<MySql> {
+        &self.store
+    }
+
+    fn insert_effect<'a>(
+        tx: &'a mut Tx<'_, MySql>,
+        scope: &'a str,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query("INSERT INTO effects (scope, note) VALUES (?, ?)")
+                .bind(scope)
+                .bind(note)
+                .execute(&mut **tx)
+                .await?;
+            i64::try_from(done.last_insert_id()).map_err(|e| sqlx::Error::Decode(e.into()))
+        })
+    }
+
+    async fn effects(&self, scope: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE scope = ?")
+            .bind(scope)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+    }
+
+    async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
+        let rows = sqlx::query(
+            "SELECT idempotency_key, state, method, path, fingerprint, status, headers, body \
+             FROM idempotency_keys WHERE scope = ? ORDER BY idempotency_key",
+        )
+        .bind(scope)
+        .fetch_all(&self.pool)
+        .await
+        .expect("read keys");
+        rows.iter()
+            .map(|row| {
+                let key: Vec<u8> = row.get("idempotency_key");
+                (
+                    String::from_utf8_lossy(&key).into_owned(),
+                    KeyRow {
+                        state: row.get("state"),
+                        method: row.get("method"),
+                        path: row.get("path"),
+                        fingerprint: row.get("fingerprint"),
+                        status: row.get::<Option<i16>, _>("status").map(i32::from),
+                        headers: row.get("headers"),
+                        body: row.get("body"),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    async fn insert_stale_claim(
+        &self,
+        scope: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES (?, ?, 'processing', 42, ?, ?, ?, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, \
+                 UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, UTC_TIMESTAMP(6) - INTERVAL 31 SECOND)",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(method)
+        .bind(path)
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("insert stale claim");
+    }
+
+    async fn open_transactions(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.innodb_trx t \
+             JOIN information_schema.processlist p ON t.trx_mysql_thread_id = p.id \
+             WHERE p.db = ?",
+        )
+        .bind(&self.database)
+        .fetch_one(&self.admin)
+        .await
+        .expect("read innodb_trx")
+    }
+
+    async fn finish(self) {
+        self.pool.close().await;
+        let drop = format!("DROP DATABASE {}", self.database);
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&self.admin)
+            .await;
+        self.admin.close().await;
     }
 }

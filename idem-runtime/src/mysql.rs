@@ -1,0 +1,249 @@
+//! MySQL and MariaDB: the claim lives inside the handler's own transaction, behind
+//! a named lock.
+//!
+//! The design and its measured cost are described in `docs/backends.md` (rendered
+//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs. What
+//! differs from PostgreSQL, and why:
+//!
+//! - No transaction-scoped advisory lock: `GET_LOCK(name, 0)` is the try-lock, and
+//!   it belongs to the session, so it is released by `RELEASE_LOCK` after every
+//!   commit or rollback (`idem_finish`); a session that could not release it is
+//!   closed, never pooled. A crashed process's session closes and frees it.
+//! - No `idle_in_transaction_session_timeout`: the claim sets the session's
+//!   `wait_timeout` to `lock` (whole seconds, rounded up) so the server closes the
+//!   session of a frozen executor, and `idem_finish` sets it back to `DEFAULT`.
+//! - No numbered parameters and no `RETURNING` on `UPDATE`: the claim reads its
+//!   eight parameters from one derived table, in the same order as every backend
+//!   binds them, and success is the affected-row count. sqlx connects with
+//!   `CLIENT_FOUND_ROWS`, so an `UPDATE` counts the rows it matched.
+//! - No upsert that can stay quiet about a conflicting uncommitted row: a free key
+//!   is claimed with a plain `INSERT ... SELECT` (a row committed since the lookup
+//!   shows up as duplicate-key error 1062, a lost race), an expired or abandoned
+//!   one with a compare-and-swap `UPDATE`.
+//! - REPEATABLE READ is the default isolation: lookups run outside any
+//!   transaction, so each sees the latest commit; inside the claim's transaction
+//!   the `INSERT`/`UPDATE` are locking reads of the latest row, not of a snapshot.
+//! - Times are `DATETIME(6)` from `UTC_TIMESTAMP(6)`: microseconds, the database
+//!   clock, and evaluated per statement (not at transaction start, as PostgreSQL's
+//!   `now()` is).
+//! - Scope and key are `VARBINARY`: byte comparison, where a `_ci` collation would
+//!   fold `Abc` into `abc` and a PAD SPACE one would ignore trailing spaces.
+//! - Bodies are `LONGBLOB`; the server's `max_allowed_packet` still bounds what
+//!   one statement can carry.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row, Transaction};
+
+use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::key::to_hex;
+
+/// The claim's parameters as columns of `v`, in `Claim::bind` order, then the
+/// lock's name seed.
+const PARAMS: &str = "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, \
+     ? AS path, ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, \
+     CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)) AS lock_name";
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Sql {
+    table: Arc<str>,
+    lookup: Arc<str>,
+    claim_new: Arc<str>,
+    claim_over: Arc<str>,
+    record: Arc<str>,
+    finish: Arc<str>,
+}
+
+impl Store for MySql {
+    type IdemSql = Sql;
+
+    const IDEM_MIGRATION: &'static str =
+        include_str!("../../migrations/mysql/0001_idempotency_keys.sql");
+
+    fn idem_sql(table: &str) -> Sql {
+        Sql {
+            table: table.into(),
+            lookup: format!(
+                "SELECT state, method, path, fingerprint, status, headers, body, \
+                        CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
+                        CAST(expires_at > UTC_TIMESTAMP(6) AS SIGNED) AS fresh \
+                 FROM {table} WHERE scope = ? AND idempotency_key = ?"
+            )
+            .into(),
+            claim_new: format!(
+                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                        fingerprint, locked_until, expires_at, created_at) \
+                 SELECT v.scope, v.idempotency_key, 'processing', v.lease, v.method, v.path, \
+                        v.fingerprint, \
+                        UTC_TIMESTAMP(6) + INTERVAL (v.lock_ms * 1000) MICROSECOND, \
+                        UTC_TIMESTAMP(6) + INTERVAL (v.ttl_ms * 1000) MICROSECOND, \
+                        UTC_TIMESTAMP(6) \
+                 FROM ({PARAMS}) AS v \
+                 WHERE GET_LOCK(v.lock_name, 0) = 1"
+            )
+            .into(),
+            claim_over: format!(
+                "UPDATE {table} AS r JOIN ({PARAMS}) AS v \
+                   ON r.scope = v.scope AND r.idempotency_key = v.idempotency_key \
+                 SET r.state = 'processing', r.lease = v.lease, r.method = v.method, \
+                     r.path = v.path, r.fingerprint = v.fingerprint, r.status = NULL, \
+                     r.headers = NULL, r.body = NULL, \
+                     r.locked_until = UTC_TIMESTAMP(6) + INTERVAL (v.lock_ms * 1000) MICROSECOND, \
+                     r.expires_at = UTC_TIMESTAMP(6) + INTERVAL (v.ttl_ms * 1000) MICROSECOND, \
+                     r.created_at = UTC_TIMESTAMP(6) \
+                 WHERE (r.expires_at <= UTC_TIMESTAMP(6) \
+                        OR (r.state = 'processing' AND r.locked_until <= UTC_TIMESTAMP(6))) \
+                   AND GET_LOCK(v.lock_name, 0) = 1"
+            )
+            .into(),
+            record: format!(
+                "UPDATE {table} SET state = 'completed', status = ?, headers = ?, body = ? \
+                 WHERE scope = ? AND idempotency_key = ? AND lease = ? \
+                   AND state = 'processing' AND locked_until > UTC_TIMESTAMP(6)"
+            )
+            .into(),
+            finish: "SET SESSION wait_timeout = DEFAULT, @idem_released = RELEASE_LOCK(\
+                 CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)))"
+                .into(),
+        }
+    }
+
+    async fn idem_migrate(conn: &mut MySqlConnection, script: &str) -> Result<(), sqlx::Error> {
+        // DDL commits implicitly in MySQL: a named lock, not a transaction, keeps
+        // instances that start together from racing.
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('idem:migrate', 60)")
+            .fetch_one(&mut *conn)
+            .await?;
+        if locked != Some(1) {
+            return Err(sqlx::Error::Protocol(
+                "timed out waiting for the idem:migrate lock".into(),
+            ));
+        }
+        let migrated = sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
+            .execute(&mut *conn)
+            .await;
+        sqlx::query("DO RELEASE_LOCK('idem:migrate')")
+            .execute(&mut *conn)
+            .await?;
+        migrated.map(|_| ())
+    }
+
+    async fn idem_lookup(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+    ) -> Result<Option<Found>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(sql.lookup.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .fetch_optional(conn)
+            .await?;
+        row.map(|row| {
+            Ok(Found {
+                completed: row.try_get::<&str, _>("state")? == "completed",
+                live: row.try_get::<i64, _>("live")? != 0,
+                fresh: row.try_get::<i64, _>("fresh")? != 0,
+                method: row.try_get("method")?,
+                path: row.try_get("path")?,
+                fingerprint: row.try_get("fingerprint")?,
+                status: row.try_get::<Option<i16>, _>("status")?.map(i32::from),
+                headers: row.try_get("headers")?,
+                body: row.try_get("body")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn idem_claim<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        claim: Claim,
+    ) -> Result<Option<Transaction<'c, MySql>>, sqlx::Error> {
+        let statement = if claim.replace {
+            &sql.claim_over
+        } else {
+            &sql.claim_new
+        };
+        let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
+        let begin = format!("SET SESSION wait_timeout = {wait_secs}; BEGIN");
+        let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+        let claimed = claim
+            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
+            .bind(lock_seed(&sql.table, id))
+            .execute(&mut *tx)
+            .await;
+        let lost = match claimed {
+            Ok(done) if done.rows_affected() == 1 => return Ok(Some(tx)),
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => Ok(()),
+            Err(error) => Err(error),
+        };
+        // Lost: nothing of ours may stay on the session, the named lock included
+        // (it is not transactional, so releasing it inside the transaction is fine).
+        finish(&mut tx, sql, id).await?;
+        tx.rollback().await?;
+        lost.map(|()| None)
+    }
+
+    async fn idem_begin(conn: &mut MySqlConnection) -> Result<Transaction<'_, MySql>, sqlx::Error> {
+        conn.begin().await
+    }
+
+    async fn idem_record<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+        response: Recorded<'c>,
+    ) -> Result<bool, sqlx::Error> {
+        let status = i16::try_from(response.status).unwrap_or(i16::MAX);
+        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
+            .bind(status)
+            .bind(response.headers)
+            .bind(response.body)
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn idem_finish(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        _lease: i64,
+        _committed: bool,
+    ) -> Result<(), sqlx::Error> {
+        // The row needs nothing: the claim was part of the transaction.
+        finish(conn, sql, id).await
+    }
+}
+
+/// Releases the claim's named lock and restores the session's `wait_timeout`.
+async fn finish(
+    conn: &mut MySqlConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(sql.finish.clone()))
+        .bind(lock_seed(&sql.table, id))
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Hex SHA-256 over (table, scope, key); the SQL mixes in the database name and
+/// keeps 40 hex digits, within MySQL's 64-character limit on lock names.
+fn lock_seed(table: &str, id: &Identity<'_>) -> String {
+    let mut hash = Sha256::new();
+    for part in [table, id.scope, id.key] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    to_hex(&hash.finalize())
+}

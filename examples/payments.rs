@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --example payments                      # SQLite file payments.db, no server needed
 //! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --example payments
+//! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example payments
 //! ```
 //!
 //! Environment: `DATABASE_URL` (default `sqlite://payments.db`, created and migrated
@@ -45,9 +46,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::{Backend, Idempotency, IdempotencyKey, Scope, Tx, idempotent};
 use serde::{Deserialize, Serialize};
+use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{PgConnection, Pool, Postgres, Row, Sqlite, SqliteConnection};
+use sqlx::{MySql, MySqlConnection, PgConnection, Pool, Postgres, Row, Sqlite, SqliteConnection};
 
 /// Every user's balance before their first payment.
 const OPENING_BALANCE: i64 = 1_000_000;
@@ -79,6 +81,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             App::<Postgres>::start(pool, provider, latency).await?,
             "PostgreSQL",
         )
+    } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
+        let url = url.replacen("mariadb:", "mysql:", 1);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(32)
+            .connect(&url)
+            .await?;
+        let provider = MySqlPoolOptions::new()
+            .max_connections(8)
+            .connect(&url)
+            .await?;
+        (
+            App::<MySql>::start(pool, provider, latency).await?,
+            "MySQL/MariaDB",
+        )
     } else if url.starts_with("sqlite:") {
         let options = SqliteConnectOptions::from_str(&url)?;
         // The provider's ledger sits beside the database, in a file of its own.
@@ -91,7 +107,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "SQLite",
         )
     } else {
-        return Err(format!("DATABASE_URL must be sqlite://… or postgres://…, not {url}").into());
+        return Err(format!(
+            "DATABASE_URL must be sqlite://…, postgres://… or mysql://…, not {url}"
+        )
+        .into());
     };
 
     println!("payments: listening on http://{addr} ({backend}, {url})");
@@ -462,7 +481,8 @@ impl<DB: Ledger> Provider<DB> {
 }
 
 // ---------------------------------------------------------------------------------
-// SQL, once for both backends (SQLite reads `$1` as the first parameter too)
+// SQL, once for PostgreSQL and SQLite (SQLite reads `$1` as the first parameter
+// too), and again for MySQL, which has `?`, no `RETURNING` and no `ON CONFLICT`
 
 /// The example's queries, implemented for PostgreSQL and SQLite.
 trait Ledger: Backend {
@@ -639,3 +659,153 @@ ledger!(
     "INTEGER PRIMARY KEY AUTOINCREMENT",
     "datetime('now')"
 );
+
+impl Ledger for MySql {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        // Binary collation: user ids compare exactly, as on the other backends.
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS accounts (user_id VARCHAR(255) COLLATE utf8mb4_bin PRIMARY KEY, \
+                 balance BIGINT NOT NULL); \
+             CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+                 user_id VARCHAR(255) COLLATE utf8mb4_bin NOT NULL, amount BIGINT NOT NULL, \
+                 currency VARCHAR(3) NOT NULL, payee TEXT NOT NULL, charge_id VARCHAR(64) NOT NULL, \
+                 created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6));",
+        )
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn migrate_provider(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS provider_charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+                 user_id VARCHAR(255) COLLATE utf8mb4_bin NOT NULL, amount BIGINT NOT NULL, \
+                 currency VARCHAR(3) NOT NULL, \
+                 idempotency_key VARCHAR(255) COLLATE utf8mb4_bin NOT NULL UNIQUE, \
+                 created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6));",
+        )
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn debit(
+        conn: &mut MySqlConnection,
+        user: &str,
+        amount: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO accounts (user_id, balance) VALUES (?, ?) \
+             ON DUPLICATE KEY UPDATE user_id = user_id",
+        )
+        .bind(user)
+        .bind(OPENING_BALANCE)
+        .execute(&mut *conn)
+        .await?;
+        let debited = sqlx::query(
+            "UPDATE accounts SET balance = balance - ? WHERE user_id = ? AND balance >= ?",
+        )
+        .bind(amount)
+        .bind(user)
+        .bind(amount)
+        .execute(&mut *conn)
+        .await?;
+        if debited.rows_affected() == 0 {
+            return Ok(None);
+        }
+        sqlx::query_scalar("SELECT balance FROM accounts WHERE user_id = ?")
+            .bind(user)
+            .fetch_optional(&mut *conn)
+            .await
+    }
+
+    async fn insert_payment(
+        conn: &mut MySqlConnection,
+        user: &str,
+        payment: &NewPayment,
+        charge: &str,
+    ) -> Result<i64, sqlx::Error> {
+        let done = sqlx::query(
+            "INSERT INTO payments (user_id, amount, currency, payee, charge_id) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(user)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .bind(&payment.to)
+        .bind(charge)
+        .execute(&mut *conn)
+        .await?;
+        i64::try_from(done.last_insert_id()).map_err(|e| sqlx::Error::Decode(e.into()))
+    }
+
+    async fn payments(pool: &Pool<Self>, user: &str) -> Result<(Vec<Payment>, i64), sqlx::Error> {
+        let rows = sqlx::query(
+            "SELECT id, amount, currency, payee, charge_id FROM payments WHERE user_id = ? ORDER BY id",
+        )
+        .bind(user)
+        .fetch_all(pool)
+        .await?;
+        let payments = rows
+            .iter()
+            .map(|row| {
+                Ok(Payment {
+                    id: row.try_get("id")?,
+                    amount: row.try_get("amount")?,
+                    currency: row.try_get("currency")?,
+                    to: row.try_get("payee")?,
+                    charge_id: row.try_get("charge_id")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()?;
+        let balance: Option<i64> =
+            sqlx::query_scalar("SELECT balance FROM accounts WHERE user_id = ?")
+                .bind(user)
+                .fetch_optional(pool)
+                .await?;
+        Ok((payments, balance.unwrap_or(OPENING_BALANCE)))
+    }
+
+    async fn charge(
+        pool: &Pool<Self>,
+        user: &str,
+        amount: i64,
+        currency: &str,
+        key: &str,
+    ) -> Result<String, sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO provider_charges (user_id, amount, currency, idempotency_key) \
+             VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE id = id",
+        )
+        .bind(user)
+        .bind(amount)
+        .bind(currency)
+        .bind(key)
+        .execute(pool)
+        .await?;
+        let id: i64 =
+            sqlx::query_scalar("SELECT id FROM provider_charges WHERE idempotency_key = ?")
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+        Ok(format!("ch_{id}"))
+    }
+
+    async fn charges(pool: &Pool<Self>) -> Result<Vec<Charge>, sqlx::Error> {
+        let rows = sqlx::query(
+            "SELECT id, user_id, amount, currency, idempotency_key FROM provider_charges ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Charge {
+                    id: format!("ch_{}", row.try_get::<i64, _>("id")?),
+                    user: row.try_get("user_id")?,
+                    amount: row.try_get("amount")?,
+                    currency: row.try_get("currency")?,
+                    key: row.try_get("idempotency_key")?,
+                })
+            })
+            .collect()
+    }
+}

@@ -51,7 +51,7 @@ impl Drop for Server {
 }
 
 async fn start(database_url: &str, dir: &std::path::Path) -> Server {
-    let mut child = tokio::task::spawn_blocking({
+    let child = tokio::task::spawn_blocking({
         let url = database_url.to_owned();
         let dir = dir.to_owned();
         move || {
@@ -68,7 +68,12 @@ async fn start(database_url: &str, dir: &std::path::Path) -> Server {
     })
     .await
     .expect("spawn");
-    let stdout = child.stdout.take().expect("stdout");
+    // Owned by the guard from here on: a failed assertion below still kills it.
+    let mut server = Server {
+        child,
+        addr: String::new(),
+    };
+    let stdout = server.child.stdout.take().expect("stdout");
     let stdout = tokio::process::ChildStdout::from_std(stdout).expect("async stdout");
     let mut lines = BufReader::new(stdout).lines();
     let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
@@ -76,22 +81,20 @@ async fn start(database_url: &str, dir: &std::path::Path) -> Server {
         .expect("the example printed nothing within 60 s")
         .expect("read stdout")
         .expect("the example exited");
-    let addr = first
+    server.addr = first
         .split("http://")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("no address in {first:?}"))
         .to_owned();
-    assert!(
-        first.contains(if database_url.starts_with("postgres") {
-            "PostgreSQL"
-        } else {
-            "SQLite"
-        }),
-        "{first}"
-    );
+    let backend = match database_url.split(':').next() {
+        Some("postgres") => "PostgreSQL",
+        Some("mysql") => "MySQL",
+        _ => "SQLite",
+    };
+    assert!(first.contains(backend), "{first}");
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Server { child, addr }
+    server
 }
 
 #[derive(Debug)]
@@ -387,6 +390,43 @@ async fn payments_example_on_postgres() {
     storm(&server.addr).await;
     drop(server);
     let drop_db = format!("DROP DATABASE {database} WITH (FORCE)");
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_db))
+        .execute(&admin)
+        .await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn payments_example_on_mysql() {
+    let base = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let admin = match sqlx::MySqlPool::connect(&base).await {
+        Ok(admin) => admin,
+        Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
+            panic!("MySQL/MariaDB not reachable at {base}: {error}")
+        }
+        Err(error) => {
+            eprintln!(
+                "SKIPPED: MySQL/MariaDB not reachable at {base} ({error}); CI=true makes this a failure"
+            );
+            return;
+        }
+    };
+    let database = format!("idem_payments_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .expect("create database");
+    let url = match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("no database in {base}"),
+    };
+    let dir = scratch_dir();
+    let server = start(&url, &dir).await;
+    contract(&server.addr).await;
+    storm(&server.addr).await;
+    drop(server);
+    let drop_db = format!("DROP DATABASE {database}");
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_db))
         .execute(&admin)
         .await;

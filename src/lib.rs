@@ -89,11 +89,15 @@
 //! - PostgreSQL (feature `postgres`): the claim lives inside the handler's
 //!   transaction, guarded by a transaction-scoped advisory try-lock, so a duplicate
 //!   answers 409 at once and a dead executor's claim vanishes with its connection.
+//! - MySQL and MariaDB (feature `mysql`): the same design, with `GET_LOCK(name, 0)`
+//!   as the try-lock (released after every commit or rollback) and the session's
+//!   `wait_timeout` ending a frozen executor.
 //! - SQLite (feature `sqlite`): a committed claim with a lease, then the handler's
 //!   `BEGIN IMMEDIATE` transaction. One writer at a time: a handler holds SQLite's
 //!   write lock for as long as its transaction is open.
 //!
 //! [`Backend`] describes how each keeps the contract and what that costs, measured.
+//!
 //!
 //! # Using it by hand
 //!
@@ -138,6 +142,7 @@
 //!     .with_state(AppState { idempotency });
 //! # Ok(()) }
 //! ```
+#![doc = include_str!("../docs/guarantees.md")]
 
 /// Makes an axum handler exactly-once under the `Idempotency-Key` header.
 ///

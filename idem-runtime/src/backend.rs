@@ -7,11 +7,13 @@ use std::future::Future;
 
 use sqlx::{Database, Transaction};
 
-/// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`) or
-/// [`sqlx::Sqlite`] (feature `sqlite`).
+/// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`),
+/// [`sqlx::MySql`] (feature `mysql`, for MySQL and MariaDB) or [`sqlx::Sqlite`]
+/// (feature `sqlite`).
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API.
 ///
+#[doc = include_str!("../../docs/guarantees.md")]
 #[doc = include_str!("../../docs/backends.md")]
 pub trait Backend: Database + sealed::Store {}
 

@@ -1,35 +1,9 @@
 //! MySQL and MariaDB: the claim lives inside the handler's own transaction, behind
 //! a named lock.
 //!
-//! The design and its measured cost are described in `docs/backends.md` (rendered
-//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs. What
-//! differs from PostgreSQL, and why:
-//!
-//! - No transaction-scoped advisory lock: `GET_LOCK(name, 0)` is the try-lock, and
-//!   it belongs to the session, so it is released by `RELEASE_LOCK` after every
-//!   commit or rollback (`idem_finish`); a session that could not release it is
-//!   closed, never pooled. A crashed process's session closes and frees it.
-//! - No `idle_in_transaction_session_timeout`: the claim sets the session's
-//!   `wait_timeout` to `lock` (whole seconds, rounded up) so the server closes the
-//!   session of a frozen executor, and `idem_finish` sets it back to `DEFAULT`.
-//! - No numbered parameters and no `RETURNING` on `UPDATE`: the claim reads its
-//!   eight parameters from one derived table, in the same order as every backend
-//!   binds them, and success is the affected-row count. sqlx connects with
-//!   `CLIENT_FOUND_ROWS`, so an `UPDATE` counts the rows it matched.
-//! - No upsert that can stay quiet about a conflicting uncommitted row: a free key
-//!   is claimed with a plain `INSERT ... SELECT` (a row committed since the lookup
-//!   shows up as duplicate-key error 1062, a lost race), an expired or abandoned
-//!   one with a compare-and-swap `UPDATE`.
-//! - REPEATABLE READ is the default isolation: lookups run outside any
-//!   transaction, so each sees the latest commit; inside the claim's transaction
-//!   the `INSERT`/`UPDATE` are locking reads of the latest row, not of a snapshot.
-//! - Times are `DATETIME(6)` from `UTC_TIMESTAMP(6)`: microseconds, the database
-//!   clock, and evaluated per statement (not at transaction start, as PostgreSQL's
-//!   `now()` is).
-//! - Scope and key are `VARBINARY`: byte comparison, where a `_ci` collation would
-//!   fold `Abc` into `abc` and a PAD SPACE one would ignore trailing spaces.
-//! - Bodies are `LONGBLOB`; the server's `max_allowed_packet` still bounds what
-//!   one statement can carry.
+//! The design, what differs from PostgreSQL and why, are described in
+//! `docs/backends.md` (rendered on [`Backend`](crate::Backend)); the SQL below is
+//! all this backend runs.
 
 use std::sync::Arc;
 
@@ -104,7 +78,8 @@ impl Store for MySql {
                    AND state = 'processing' AND locked_until > UTC_TIMESTAMP(6)"
             )
             .into(),
-            finish: "SET SESSION wait_timeout = DEFAULT, @idem_released = RELEASE_LOCK(\
+            finish: "SET SESSION wait_timeout = DEFAULT, innodb_lock_wait_timeout = DEFAULT, \
+                 @idem_released = RELEASE_LOCK(\
                  CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)))"
                 .into(),
         }
@@ -168,7 +143,9 @@ impl Store for MySql {
             &sql.claim_new
         };
         let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
-        let begin = format!("SET SESSION wait_timeout = {wait_secs}; BEGIN");
+        let begin = format!(
+            "SET SESSION wait_timeout = {wait_secs}, innodb_lock_wait_timeout = {wait_secs}; BEGIN"
+        );
         let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
         let claimed = claim
             .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
@@ -224,7 +201,7 @@ impl Store for MySql {
     }
 }
 
-/// Releases the claim's named lock and restores the session's `wait_timeout`.
+/// Releases the claim's named lock and restores the session's timeouts.
 async fn finish(
     conn: &mut MySqlConnection,
     sql: &Sql,

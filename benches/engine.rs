@@ -16,7 +16,9 @@
 //!   writer makes that wait serial.
 //!
 //! PostgreSQL comes from `IDEM_TEST_POSTGRES_URL` (default
-//! `postgres://postgres@127.0.0.1:5432/postgres`) and is skipped if unreachable.
+//! `postgres://postgres@127.0.0.1:5432/postgres`), MySQL/MariaDB from
+//! `IDEM_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`); either is
+//! skipped if unreachable.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +28,7 @@ use bytes::Bytes;
 use http::{Method, Response, StatusCode, Uri};
 use http_body_util::Full;
 use idem::{Backend, Idempotency, IdempotencyKey, Options, Outcome, RequestIdentity};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
@@ -313,6 +316,37 @@ async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
         .await;
 }
 
+async fn mysql(settings: &Settings, rows: &mut Vec<Row>) {
+    let url = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let options: MySqlConnectOptions = url.parse().expect("mysql url");
+    let Ok(admin) = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+    else {
+        eprintln!("MySQL/MariaDB not reachable at {url}: skipped");
+        return;
+    };
+    let database = format!("idem_bench_{}", std::process::id());
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .expect("database");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(settings.workers as u32)
+        .connect_with(options.database(&database))
+        .await
+        .expect("pool");
+    let store = prepare(&pool, "BIGINT AUTO_INCREMENT PRIMARY KEY").await;
+    bare(settings, "mysql", pool.clone(), rows).await;
+    idem_variants(settings, "mysql", store, Duration::ZERO, rows).await;
+    pool.close().await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
+        .execute(&admin)
+        .await;
+}
+
 async fn sqlite(settings: &Settings, rows: &mut Vec<Row>) {
     let path = std::env::temp_dir().join(format!("idem_bench_{}.db", std::process::id()));
     let pool: Pool<Sqlite> = SqlitePoolOptions::new()
@@ -369,6 +403,7 @@ fn main() {
     let mut rows = Vec::new();
     runtime.block_on(async {
         postgres(&settings, &mut rows).await;
+        mysql(&settings, &mut rows).await;
         sqlite(&settings, &mut rows).await;
     });
 

@@ -64,6 +64,7 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
 
+    /// Closes the pools; the schema, database or file goes when `self` is dropped.
     fn finish(self) -> impl Future<Output = ()> + Send;
 }
 
@@ -79,6 +80,44 @@ fn unique(prefix: &str) -> String {
     )
 }
 
+/// Removes a test's schema, database or file when its harness is dropped, so a
+/// failed test leaves nothing behind either. Runs on a thread of its own: it may be
+/// dropped while a panic unwinds through the test's runtime.
+struct Leftover(Option<Box<dyn FnOnce() + Send + Sync>>);
+
+impl Leftover {
+    fn statement<C>(url: String, statement: String) -> Self
+    where
+        C: Connection,
+        for<'c> &'c mut C: sqlx::Executor<'c>,
+    {
+        Self(Some(Box::new(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async {
+                if let Ok(mut conn) = C::connect(&url).await {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        })))
+    }
+}
+
+impl Drop for Leftover {
+    fn drop(&mut self) {
+        if let Some(cleanup) = self.0.take() {
+            let _ = std::thread::spawn(cleanup).join();
+        }
+    }
+}
+
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
@@ -90,6 +129,7 @@ pub struct Pg {
     pool: PgPool,
     store: Idempotency<Postgres>,
     schema: String,
+    _leftover: Leftover,
 }
 
 impl Harness for Pg {
@@ -139,11 +179,16 @@ impl Harness for Pg {
             .build()
             .expect("store");
         store.migrate().await.expect("migrate");
+        let leftover = Leftover::statement::<sqlx::PgConnection>(
+            url,
+            format!("DROP SCHEMA IF EXISTS {schema} CASCADE"),
+        );
         Some(Self {
             admin,
             pool,
             store,
             schema,
+            _leftover: leftover,
         })
     }
 
@@ -237,10 +282,6 @@ impl Harness for Pg {
 
     async fn finish(self) {
         self.pool.close().await;
-        let drop = format!("DROP SCHEMA {} CASCADE", self.schema);
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-            .execute(&self.admin)
-            .await;
         self.admin.close().await;
     }
 }
@@ -251,6 +292,7 @@ pub struct Lite {
     pool: SqlitePool,
     store: Idempotency<Sqlite>,
     path: PathBuf,
+    _leftover: Leftover,
 }
 
 impl Lite {
@@ -286,7 +328,20 @@ impl Harness for Lite {
             .build()
             .expect("store");
         store.migrate().await.expect("migrate");
-        Some(Self { pool, store, path })
+        let files = path.clone();
+        let leftover = Leftover(Some(Box::new(move || {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut file = files.clone().into_os_string();
+                file.push(suffix);
+                let _ = std::fs::remove_file(file);
+            }
+        })));
+        Some(Self {
+            pool,
+            store,
+            path,
+            _leftover: leftover,
+        })
     }
 
     fn store(&self) -> &Idempotency<Sqlite> {
@@ -388,11 +443,6 @@ impl Harness for Lite {
 
     async fn finish(self) {
         self.pool.close().await;
-        for suffix in ["", "-wal", "-shm"] {
-            let mut path = self.path.clone().into_os_string();
-            path.push(suffix);
-            let _ = std::fs::remove_file(path);
-        }
     }
 }
 
@@ -403,6 +453,7 @@ pub struct My {
     pool: MySqlPool,
     store: Idempotency<MySql>,
     database: String,
+    _leftover: Leftover,
 }
 
 impl Harness for My {
@@ -448,11 +499,16 @@ impl Harness for My {
             .build()
             .expect("store");
         store.migrate().await.expect("migrate");
+        let leftover = Leftover::statement::<sqlx::MySqlConnection>(
+            url,
+            format!("DROP DATABASE IF EXISTS {database}"),
+        );
         Some(Self {
             admin,
             pool,
             store,
             database,
+            _leftover: leftover,
         })
     }
 
@@ -549,10 +605,6 @@ impl Harness for My {
 
     async fn finish(self) {
         self.pool.close().await;
-        let drop = format!("DROP DATABASE {}", self.database);
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-            .execute(&self.admin)
-            .await;
         self.admin.close().await;
     }
 }

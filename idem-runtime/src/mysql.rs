@@ -13,11 +13,9 @@ use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row, Transaction};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::key::to_hex;
 
-/// The claim's parameters as columns of `v`, in `Claim::bind` order, then the
-/// lock's name seed.
-const PARAMS: &str = "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, \
-     ? AS path, ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, \
-     CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)) AS lock_name";
+/// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
+const LOCK_NAME: &str =
+    "CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40))";
 
 #[doc(hidden)]
 #[derive(Debug)]
@@ -37,6 +35,12 @@ impl Store for MySql {
         include_str!("../../migrations/mysql/0001_idempotency_keys.sql");
 
     fn idem_sql(table: &str) -> Sql {
+        // The claim's parameters as columns of `v`, in `Claim::bind` order, then the
+        // lock's name: for the `UPDATE`, whose `SET` comes before its `WHERE`.
+        let params = format!(
+            "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, ? AS path, \
+             ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, {LOCK_NAME} AS lock_name"
+        );
         Sql {
             table: table.into(),
             lookup: format!(
@@ -46,20 +50,20 @@ impl Store for MySql {
                  FROM {table} WHERE scope = ? AND idempotency_key = ?"
             )
             .into(),
+            // Plain placeholders here, in `Claim::bind` order: a derived table would
+            // be materialised as a temporary table on every claim.
             claim_new: format!(
                 "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
                         fingerprint, locked_until, expires_at, created_at) \
-                 SELECT v.scope, v.idempotency_key, 'processing', v.lease, v.method, v.path, \
-                        v.fingerprint, \
-                        UTC_TIMESTAMP(6) + INTERVAL (v.lock_ms * 1000) MICROSECOND, \
-                        UTC_TIMESTAMP(6) + INTERVAL (v.ttl_ms * 1000) MICROSECOND, \
+                 SELECT ?, ?, 'processing', ?, ?, ?, ?, \
+                        UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, \
+                        UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, \
                         UTC_TIMESTAMP(6) \
-                 FROM ({PARAMS}) AS v \
-                 WHERE GET_LOCK(v.lock_name, 0) = 1"
+                 FROM DUAL WHERE GET_LOCK({LOCK_NAME}, 0) = 1"
             )
             .into(),
             claim_over: format!(
-                "UPDATE {table} AS r JOIN ({PARAMS}) AS v \
+                "UPDATE {table} AS r JOIN ({params}) AS v \
                    ON r.scope = v.scope AND r.idempotency_key = v.idempotency_key \
                  SET r.state = 'processing', r.lease = v.lease, r.method = v.method, \
                      r.path = v.path, r.fingerprint = v.fingerprint, r.status = NULL, \
@@ -78,10 +82,11 @@ impl Store for MySql {
                    AND state = 'processing' AND locked_until > UTC_TIMESTAMP(6)"
             )
             .into(),
-            finish: "SET SESSION wait_timeout = DEFAULT, innodb_lock_wait_timeout = DEFAULT, \
-                 @idem_released = RELEASE_LOCK(\
-                 CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)))"
-                .into(),
+            finish: format!(
+                "SET SESSION wait_timeout = DEFAULT, innodb_lock_wait_timeout = DEFAULT, \
+                 @idem_released = RELEASE_LOCK({LOCK_NAME})"
+            )
+            .into(),
         }
     }
 

@@ -168,5 +168,14 @@ pub mod sealed {
             lease: i64,
             committed: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
+
+        /// Deletes up to `limit` completed rows whose `expires_at` has passed, in
+        /// one short statement; returns how many went.
+        #[doc(hidden)]
+        fn idem_sweep<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            limit: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'c;
     }
 }

@@ -26,6 +26,7 @@ pub struct Sql {
     claim_over: Arc<str>,
     record: Arc<str>,
     finish: Arc<str>,
+    sweep: Arc<str>,
 }
 
 impl Store for MySql {
@@ -80,6 +81,12 @@ impl Store for MySql {
                 "UPDATE {table} SET state = 'completed', status = ?, headers = ?, body = ? \
                  WHERE scope = ? AND idempotency_key = ? AND lease = ? \
                    AND state = 'processing' AND locked_until > UTC_TIMESTAMP(6)"
+            )
+            .into(),
+            sweep: format!(
+                "DELETE FROM {table} \
+                 WHERE state = 'completed' AND expires_at <= UTC_TIMESTAMP(6) \
+                 ORDER BY expires_at LIMIT ?"
             )
             .into(),
             finish: format!(
@@ -203,6 +210,18 @@ impl Store for MySql {
     ) -> Result<(), sqlx::Error> {
         // The row needs nothing: the claim was part of the transaction.
         finish(conn, sql, id).await
+    }
+
+    async fn idem_sweep(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
     }
 }
 

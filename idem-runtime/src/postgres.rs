@@ -26,6 +26,7 @@ pub struct Sql {
     claim_new: Arc<str>,
     claim_over: Arc<str>,
     record: Arc<str>,
+    sweep: Arc<str>,
 }
 
 impl Store for Postgres {
@@ -72,6 +73,15 @@ impl Store for Postgres {
                 "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
                  WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
                    AND state = 'processing' AND locked_until > clock_timestamp()"
+            )
+            .into(),
+            // SKIP LOCKED: a row a claim is taking over right now is left for the
+            // next sweep instead of making either wait.
+            sweep: format!(
+                "DELETE FROM {table} WHERE (scope, idempotency_key) IN ( \
+                    SELECT scope, idempotency_key FROM {table} \
+                    WHERE state = 'completed' AND expires_at <= clock_timestamp() \
+                    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)"
             )
             .into(),
         }
@@ -184,6 +194,18 @@ impl Store for Postgres {
     ) -> Result<(), sqlx::Error> {
         // The claim and its advisory lock ended with the transaction.
         Ok(())
+    }
+
+    async fn idem_sweep(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
     }
 }
 

@@ -19,6 +19,7 @@ pub struct Sql {
     claim: Arc<str>,
     record: Arc<str>,
     release: Arc<str>,
+    sweep: Arc<str>,
 }
 
 impl Store for Sqlite {
@@ -53,6 +54,13 @@ impl Store for Sqlite {
                 "UPDATE {table} SET state = 'completed', status = ?4, headers = ?5, body = ?6 \
                  WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 \
                    AND state = 'processing' AND locked_until > {NOW_MS}"
+            )
+            .into(),
+            sweep: format!(
+                "DELETE FROM {table} WHERE rowid IN ( \
+                    SELECT rowid FROM {table} \
+                    WHERE state = 'completed' AND expires_at <= {NOW_MS} \
+                    ORDER BY expires_at LIMIT ?1)"
             )
             .into(),
             release: format!(
@@ -155,6 +163,18 @@ impl Store for Sqlite {
             .execute(conn)
             .await?;
         Ok(())
+    }
+
+    async fn idem_sweep(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
     }
 }
 

@@ -61,6 +61,16 @@ pub trait Harness: Send + Sync + Sized + 'static {
         body: &[u8],
     ) -> impl Future<Output = ()> + Send;
 
+    /// `count` keys `{prefix}{n}` whose ttl has passed: completed, or (abandoned)
+    /// processing ones. At most 1000 (MySQL's recursion depth).
+    fn insert_expired(
+        &self,
+        scope: &str,
+        prefix: &str,
+        count: i64,
+        completed: bool,
+    ) -> impl Future<Output = ()> + Send;
+
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
 
@@ -269,6 +279,24 @@ impl Harness for Pg {
         .expect("insert stale claim");
     }
 
+    async fn insert_expired(&self, scope: &str, prefix: &str, count: i64, completed: bool) {
+        let state = if completed { "completed" } else { "processing" };
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             SELECT $1, $2 || g, $3, 7, 'POST', '/effects', '\\x00', 201, '', 'old', \
+                 now() - interval '2 hours', now() - interval '1 second', now() - interval '2 hours' \
+             FROM generate_series(1, $4) AS g",
+        )
+        .bind(scope)
+        .bind(prefix)
+        .bind(state)
+        .bind(count)
+        .execute(&self.pool)
+        .await
+        .expect("insert expired keys");
+    }
+
     async fn open_transactions(&self) -> i64 {
         sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
@@ -420,6 +448,25 @@ impl Harness for Lite {
         .execute(&self.pool)
         .await
         .expect("insert stale claim");
+    }
+
+    async fn insert_expired(&self, scope: &str, prefix: &str, count: i64, completed: bool) {
+        let state = if completed { "completed" } else { "processing" };
+        let now_ms = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < $4) \
+             INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             SELECT $1, $2 || n, $3, 7, 'POST', '/effects', x'00', 201, x'', x'6f6c64', \
+                 {now_ms} - 7200000, {now_ms} - 1000, {now_ms} - 7200000 FROM g"
+        )))
+        .bind(scope)
+        .bind(prefix)
+        .bind(state)
+        .bind(count)
+        .execute(&self.pool)
+        .await
+        .expect("insert expired keys");
     }
 
     async fn open_transactions(&self) -> i64 {
@@ -589,6 +636,25 @@ impl Harness for My {
         .execute(&self.pool)
         .await
         .expect("insert stale claim");
+    }
+
+    async fn insert_expired(&self, scope: &str, prefix: &str, count: i64, completed: bool) {
+        let state = if completed { "completed" } else { "processing" };
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?) \
+             SELECT ?, CONCAT(?, n), ?, 7, 'POST', '/effects', UNHEX(REPEAT('00', 32)), 201, '', 'old', \
+                 UTC_TIMESTAMP(6) - INTERVAL 2 HOUR, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, \
+                 UTC_TIMESTAMP(6) - INTERVAL 2 HOUR FROM g",
+        )
+        .bind(count)
+        .bind(scope)
+        .bind(prefix)
+        .bind(state)
+        .execute(&self.pool)
+        .await
+        .expect("insert expired keys");
     }
 
     async fn open_transactions(&self) -> i64 {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::Method;
-use idem::Outcome;
+use idem::{Outcome, Sweep};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Barrier;
 
@@ -583,6 +583,88 @@ async fn oversized_response_is_rolled_back<H: Harness>() {
     h.finish().await;
 }
 
+/// §6: a sweep deletes completed keys past their ttl, in batches, and nothing else:
+/// not fresh keys, not claims however old; a budget of zero deletes nothing.
+async fn sweep_deletes_only_expired_completed_keys<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    h.insert_expired("old", "done-", 600, true).await;
+    h.insert_expired("old", "abandoned-", 5, false).await;
+    for key in ["k-1", "k-2", "k-3"] {
+        assert_eq!(send(&app, &Req::post("alice", key, BODY)).await.status, 201);
+    }
+
+    let idle = h.store().sweep(Sweep::new().budget(Duration::ZERO)).await;
+    let idle = idle.expect("sweep");
+    assert_eq!((idle.deleted, idle.batches, idle.caught_up), (0, 0, false));
+
+    let report = h
+        .store()
+        .sweep(Sweep::new().batch(100))
+        .await
+        .expect("sweep");
+    assert_eq!(report.deleted, 600);
+    assert_eq!(
+        report.batches, 7,
+        "six full batches, then one that finds none"
+    );
+    assert!(report.caught_up);
+    let left = h.key_rows("old").await;
+    assert_eq!(left.len(), 5);
+    assert!(
+        left.iter().all(|(_, r)| r.state == "processing"),
+        "claims stay"
+    );
+    assert_eq!(h.key_rows("alice").await.len(), 3, "fresh keys stay");
+    let replay = send(&app, &Req::post("alice", "k-2", BODY)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    h.finish().await;
+}
+
+/// §6: sweeping while requests run disturbs neither: every request is answered as
+/// usual and the sweep deletes exactly the expired keys.
+async fn sweep_runs_beside_the_hot_path<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    h.insert_expired("old", "done-", 800, true).await;
+    let sweep = {
+        let store = h.store().clone();
+        tokio::spawn(async move {
+            let gentle = Sweep::new().batch(25).pause(Duration::from_millis(1));
+            store.sweep(gentle).await
+        })
+    };
+    let reqs = (0..30)
+        .map(|i| Req::post("alice", &format!("k-hot-{i}"), BODY))
+        .collect();
+    for got in send_all(&app, reqs).await {
+        assert_eq!(got.outcome, Some(Outcome::Executed), "{}", got.text());
+    }
+    let report = sweep.await.expect("sweep task").expect("sweep");
+    assert_eq!(report.deleted, 800);
+    assert!(report.caught_up);
+    assert_eq!(h.effects("alice").await, 30);
+    assert_eq!(h.key_rows("alice").await.len(), 30);
+    assert!(h.key_rows("old").await.is_empty());
+
+    // The background sweeper does the same on its own.
+    h.insert_expired("old", "later-", 50, true).await;
+    let sweeper = h
+        .store()
+        .spawn_sweeper(Duration::from_millis(50), Sweep::new());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !h.key_rows("old").await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the background sweeper never swept"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sweeper.abort();
+    assert_eq!(h.key_rows("alice").await.len(), 30);
+    h.finish().await;
+}
+
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
         mod postgres {
@@ -628,4 +710,6 @@ conformance!(
     keys_are_validated,
     oversized_body_is_refused,
     oversized_response_is_rolled_back,
+    sweep_deletes_only_expired_completed_keys,
+    sweep_runs_beside_the_hot_path,
 );

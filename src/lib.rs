@@ -219,6 +219,8 @@ pub use idem_runtime::{
     fingerprint,
 };
 
+#[cfg(feature = "postgres")]
+pub use idem_runtime::Partitions;
 #[cfg(feature = "axum")]
 pub use idem_runtime::axum;
 

@@ -67,7 +67,7 @@ pub struct Claim {
 impl Claim {
     /// Binds `$1`..`$8`, the parameters every backend's claim statement starts with:
     /// scope, key, lease, method, path, fingerprint, lock (ms), ttl (ms).
-    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn bind<'q, DB>(
         &self,
         id: &Identity<'_>,
@@ -107,12 +107,18 @@ pub mod sealed {
         #[doc(hidden)]
         type IdemSql: Send + Sync + 'static;
 
+        /// `partitioned`: the PostgreSQL layout partitioned by day of expiry; other
+        /// backends are never asked for it.
         #[doc(hidden)]
-        fn idem_sql(table: &str) -> Self::IdemSql;
+        fn idem_sql(table: &str, partitioned: bool) -> Self::IdemSql;
 
         /// The backend's migration, for the default table name.
         #[doc(hidden)]
         const IDEM_MIGRATION: &'static str;
+
+        /// The partitioned layout's migration, where the backend has one.
+        #[doc(hidden)]
+        const IDEM_PARTITIONED_MIGRATION: Option<&'static str> = None;
 
         /// Applies the migration under a lock, so instances starting together agree.
         #[doc(hidden)]

@@ -20,6 +20,8 @@ mod sweep;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+pub use postgres::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 

@@ -35,7 +35,7 @@ impl Store for MySql {
     const IDEM_MIGRATION: &'static str =
         include_str!("../../migrations/mysql/0001_idempotency_keys.sql");
 
-    fn idem_sql(table: &str) -> Sql {
+    fn idem_sql(table: &str, _partitioned: bool) -> Sql {
         // The claim's parameters as columns of `v`, in `Claim::bind` order, then the
         // lock's name: for the `UPDATE`, whose `SET` comes before its `WHERE`.
         let params = format!(

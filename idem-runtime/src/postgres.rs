@@ -9,14 +9,19 @@ use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::store::Idempotency;
 
-/// Taken with every claim: the advisory try-lock (never waits), and the timeouts
-/// that end the transaction at `lock` even if the application is frozen. Both hold
-/// until the transaction ends; `set_config(.., true)` is `SET LOCAL` without a round
-/// trip of its own.
-const LOCK_AND_TIMEOUTS: &str = "pg_try_advisory_xact_lock(hashtextextended(current_schema(), $9)) \
-     AND set_config('statement_timeout', $10, true) IS NOT NULL \
-     AND set_config('idle_in_transaction_session_timeout', $10, true) IS NOT NULL";
+/// Taken with every claim: the advisory try-lock on `seed` (never waits), and the
+/// timeouts (`timeout`, ms) that end the transaction at `lock` even if the
+/// application is frozen. Both hold until the transaction ends; `set_config(..,
+/// true)` is `SET LOCAL` without a round trip of its own.
+fn lock_and_timeouts(seed: &str, timeout: &str) -> String {
+    format!(
+        "pg_try_advisory_xact_lock(hashtextextended(current_schema(), {seed})) \
+         AND set_config('statement_timeout', {timeout}, true) IS NOT NULL \
+         AND set_config('idle_in_transaction_session_timeout', {timeout}, true) IS NOT NULL"
+    )
+}
 
 #[doc(hidden)]
 #[derive(Debug)]
@@ -27,6 +32,9 @@ pub struct Sql {
     claim_over: Arc<str>,
     record: Arc<str>,
     sweep: Arc<str>,
+    /// Partitioned layout only: the lock, taken in a statement of its own so that
+    /// the claim's check for an existing row reads after it.
+    lock: Option<Arc<str>>,
 }
 
 impl Store for Postgres {
@@ -35,8 +43,28 @@ impl Store for Postgres {
     const IDEM_MIGRATION: &'static str =
         include_str!("../../migrations/postgres/0001_idempotency_keys.sql");
 
-    fn idem_sql(table: &str) -> Sql {
+    const IDEM_PARTITIONED_MIGRATION: Option<&'static str> = Some(include_str!(
+        "../../migrations/postgres/partitioned/0001_idempotency_keys.sql"
+    ));
+
+    fn idem_sql(table: &str, partitioned: bool) -> Sql {
+        // Plain layout: the primary key keeps (scope, key) unique, and the lock rides
+        // in the claim itself. Partitioned: the key includes `expires_at`, so the
+        // claim runs after the lock and inserts only if no partition holds the key.
+        let (new_guard, over_guard, lock) = if partitioned {
+            (
+                format!(
+                    "NOT EXISTS (SELECT 1 FROM {table} WHERE scope = $1 AND idempotency_key = $2)"
+                ),
+                "TRUE".to_owned(),
+                Some(format!("SELECT {}", lock_and_timeouts("$1", "$2")).into()),
+            )
+        } else {
+            let guard = lock_and_timeouts("$9", "$10");
+            (guard.clone(), guard, None)
+        };
         Sql {
+            lock,
             table: table.into(),
             lookup: format!(
                 "SELECT state, method, path, fingerprint, status, headers, body, \
@@ -52,7 +80,7 @@ impl Store for Postgres {
                         clock_timestamp() + $7::float8 * interval '1 millisecond', \
                         clock_timestamp() + $8::float8 * interval '1 millisecond', \
                         clock_timestamp() \
-                 WHERE {LOCK_AND_TIMEOUTS} \
+                 WHERE {new_guard} \
                  RETURNING lease"
             )
             .into(),
@@ -65,7 +93,7 @@ impl Store for Postgres {
                  WHERE scope = $1 AND idempotency_key = $2 \
                    AND (expires_at <= clock_timestamp() \
                         OR (state = 'processing' AND locked_until <= clock_timestamp())) \
-                   AND {LOCK_AND_TIMEOUTS} \
+                   AND {over_guard} \
                  RETURNING lease"
             )
             .into(),
@@ -141,12 +169,29 @@ impl Store for Postgres {
             &sql.claim_new
         };
         let mut tx = conn.begin().await?;
-        let claimed = claim
-            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
-            .bind(advisory_key(&sql.table, id))
-            .bind(claim.lock_ms.to_string())
-            .fetch_optional(&mut *tx)
-            .await;
+        let query = claim.bind(id, sqlx::query(AssertSqlSafe(statement.clone())));
+        let timeout = claim.lock_ms.to_string();
+        let claimed = match &sql.lock {
+            None => {
+                query
+                    .bind(advisory_key(&sql.table, id))
+                    .bind(timeout)
+                    .fetch_optional(&mut *tx)
+                    .await
+            }
+            Some(lock) => {
+                let locked: bool = sqlx::query_scalar(AssertSqlSafe(lock.clone()))
+                    .bind(advisory_key(&sql.table, id))
+                    .bind(timeout)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                if locked {
+                    query.fetch_optional(&mut *tx).await
+                } else {
+                    Ok(None)
+                }
+            }
+        };
         match claimed {
             Ok(Some(_)) => Ok(Some(tx)),
             Ok(None) => {
@@ -222,4 +267,205 @@ fn advisory_key(table: &str, id: &Identity<'_>) -> i64 {
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
     i64::from_be_bytes(first)
+}
+
+/// What [`Idempotency::maintain_partitions`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partitions {
+    /// Partitions created, by name.
+    pub created: Vec<String>,
+    /// Partitions detached and dropped, by name.
+    pub dropped: Vec<String>,
+}
+
+impl Idempotency<Postgres> {
+    /// Keeps a table of the partitioned layout (see
+    /// [`Builder::partitioned_by_day`](crate::Builder::partitioned_by_day)) in shape:
+    /// creates the partitions for today and the next `days_ahead` days (UTC) that
+    /// are missing, and drops every day partition whose day has ended, since every
+    /// key in it has expired. Run it daily with `days_ahead` at least your longest
+    /// `ttl` in days: a key whose expiry day has no partition yet lands in the
+    /// default partition, which only the sweeper empties.
+    ///
+    /// Each change is its own short transaction with `lock_timeout = 2s`: attaching
+    /// and detaching lock the parent table, and maintenance should give way to the
+    /// hot path rather than queue it. A call that gave way can simply be repeated.
+    ///
+    /// # Errors
+    ///
+    /// `sqlx::Error::Configuration` if the store is not partitioned; otherwise any
+    /// database error (for example a lock timeout), with earlier changes kept.
+    pub async fn maintain_partitions(&self, days_ahead: u32) -> Result<Partitions, sqlx::Error> {
+        if !self.is_partitioned() {
+            return Err(sqlx::Error::Configuration(
+                "maintain_partitions needs a store built with partitioned_by_day()".into(),
+            ));
+        }
+        let table = self.table();
+        let mut conn = self.pool().acquire().await?;
+        let attached: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1)",
+        )
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await?;
+        let days: Vec<(String, String, String)> = sqlx::query_as(
+            "SELECT to_char(d, 'YYYYMMDD'), to_char(d, 'YYYY-MM-DD'), \
+                    to_char(d + interval '1 day', 'YYYY-MM-DD') \
+             FROM generate_series((now() AT TIME ZONE 'UTC')::date, \
+                                  (now() AT TIME ZONE 'UTC')::date + $1::int, \
+                                  interval '1 day') AS d",
+        )
+        .bind(i32::try_from(days_ahead).unwrap_or(i32::MAX))
+        .fetch_all(&mut *conn)
+        .await?;
+        let ended: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1) AND c.relname ~ ('^' || $1 || '_p[0-9]{8}$') \
+               AND to_date(right(c.relname, 8), 'YYYYMMDD') + 1 <= (now() AT TIME ZONE 'UTC')::date",
+        )
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await?;
+
+        let mut changed = Partitions::default();
+        for (stamp, from, to) in days {
+            let name = format!("{table}_p{stamp}");
+            if attached.contains(&name) {
+                continue;
+            }
+            let script = format!(
+                "SET LOCAL lock_timeout = '2s'; \
+                 CREATE TABLE IF NOT EXISTS {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS); \
+                 ALTER TABLE {table} ATTACH PARTITION {name} \
+                     FOR VALUES FROM ('{from} 00:00:00+00') TO ('{to} 00:00:00+00')"
+            );
+            in_transaction(&mut conn, script).await?;
+            changed.created.push(name);
+        }
+        for name in ended {
+            let script = format!(
+                "SET LOCAL lock_timeout = '2s'; \
+                 ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
+            );
+            in_transaction(&mut conn, script).await?;
+            changed.dropped.push(name);
+        }
+        if !changed.created.is_empty() || !changed.dropped.is_empty() {
+            tracing::info!(
+                created = changed.created.len(),
+                dropped = changed.dropped.len(),
+                "idempotency partitions maintained"
+            );
+        }
+        Ok(changed)
+    }
+}
+
+/// Runs `script` (generated from validated identifiers and dates) in one transaction.
+async fn in_transaction(conn: &mut PgConnection, script: String) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::raw_sql(AssertSqlSafe(script))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Options;
+
+    /// A claim whose lookup missed a row that committed meanwhile, with an expiry
+    /// on another day: in the plain layout the primary key refuses it; in the
+    /// partitioned layout, where the key includes `expires_at`, only the check made
+    /// after the lock does. Either way the claim is lost and one row remains (I1).
+    #[tokio::test]
+    async fn a_claim_after_a_missed_lookup_never_duplicates_the_key() {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let admin = match sqlx::PgPool::connect(&url).await {
+            Ok(admin) => admin,
+            Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
+                panic!("PostgreSQL not reachable at {url}: {error}")
+            }
+            Err(error) => {
+                eprintln!("SKIPPED: PostgreSQL not reachable at {url} ({error})");
+                return;
+            }
+        };
+        for partitioned in [false, true] {
+            let schema = format!("idem_unit_{}_{partitioned}", std::process::id());
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+            )))
+            .execute(&admin)
+            .await
+            .expect("schema");
+            let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect_with(options.options([("search_path", schema.as_str())]))
+                .await
+                .expect("pool");
+            let mut builder = Idempotency::builder(pool.clone());
+            if partitioned {
+                builder = builder.partitioned_by_day();
+            }
+            let store = builder.build().expect("store");
+            store.migrate().await.expect("migrate");
+            if partitioned {
+                store.maintain_partitions(3).await.expect("partitions");
+            }
+            // The row a concurrent request committed: expiring in two days.
+            sqlx::query(
+                "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, \
+                     path, fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+                 VALUES ('s', 'k', 'completed', 1, 'POST', '/p', $1, 201, '', 'first', now(), \
+                     now() + interval '49 hours', now())",
+            )
+            .bind(&crate::fingerprint(b"body")[..])
+            .execute(&pool)
+            .await
+            .expect("the committed row");
+
+            // This request's lookup ran before that commit: it claims a free key,
+            // with a one-hour ttl (another day, another partition).
+            let fingerprint = crate::fingerprint(b"body");
+            let id = Identity {
+                scope: "s",
+                key: "k",
+                method: "POST",
+                path: "/p",
+                fingerprint: &fingerprint,
+            };
+            let options = Options::new();
+            let claim = Claim {
+                lease: 2,
+                lock_ms: options.lock_millis(),
+                ttl_ms: 3_600_000,
+                replace: false,
+            };
+            {
+                let mut conn = pool.acquire().await.expect("connection");
+                let lost = Postgres::idem_claim(&mut conn, &store.inner.sql, &id, claim)
+                    .await
+                    .expect("claim")
+                    .is_none();
+                assert!(lost, "partitioned = {partitioned}: the claim must be lost");
+            }
+            let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+                .fetch_one(&pool)
+                .await
+                .expect("count");
+            assert_eq!(rows, 1, "partitioned = {partitioned}");
+            pool.close().await;
+            sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                .execute(&admin)
+                .await
+                .expect("drop schema");
+        }
+    }
 }

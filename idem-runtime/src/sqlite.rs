@@ -28,7 +28,7 @@ impl Store for Sqlite {
     const IDEM_MIGRATION: &'static str =
         include_str!("../../migrations/sqlite/0001_idempotency_keys.sql");
 
-    fn idem_sql(table: &str) -> Sql {
+    fn idem_sql(table: &str, _partitioned: bool) -> Sql {
         Sql {
             lookup: format!(
                 "SELECT state, method, path, fingerprint, status, headers, body, \

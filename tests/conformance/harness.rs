@@ -134,7 +134,8 @@ fn in_ci() -> bool {
 
 // ---------------------------------------------------------------------------------
 
-pub struct Pg {
+/// PostgreSQL, in the plain layout (`Pg`) or partitioned by day (`PgParted`).
+pub struct PgLayout<const PARTITIONED: bool> {
     admin: PgPool,
     pool: PgPool,
     store: Idempotency<Postgres>,
@@ -142,7 +143,10 @@ pub struct Pg {
     _leftover: Leftover,
 }
 
-impl Harness for Pg {
+pub type Pg = PgLayout<false>;
+pub type PgParted = PgLayout<true>;
+
+impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     type DB = Postgres;
 
     async fn start(max_response_bytes: usize) -> Option<Self> {
@@ -184,11 +188,15 @@ impl Harness for Pg {
         .execute(&pool)
         .await
         .expect("create effects");
-        let store = Idempotency::builder(pool.clone())
-            .max_response_bytes(max_response_bytes)
-            .build()
-            .expect("store");
+        let mut builder = Idempotency::builder(pool.clone()).max_response_bytes(max_response_bytes);
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        let store = builder.build().expect("store");
         store.migrate().await.expect("migrate");
+        if PARTITIONED {
+            store.maintain_partitions(3).await.expect("partitions");
+        }
         let leftover = Leftover::statement::<sqlx::PgConnection>(
             url,
             format!("DROP SCHEMA IF EXISTS {schema} CASCADE"),

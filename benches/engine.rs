@@ -20,23 +20,16 @@
 //! `IDEM_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`); either is
 //! skipped if unreachable.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Method, Response, StatusCode, Uri};
-use http_body_util::Full;
-use idem::{Backend, Idempotency, IdempotencyKey, Options, Outcome, RequestIdentity};
+use idem::{Backend, Idempotency, Options, Outcome};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
-struct Settings {
-    secs: u64,
-    workers: usize,
-}
+mod common;
+use common::{INSERT, Settings, identity, measure, ok_response, prepare};
 
 struct Row {
     backend: &'static str,
@@ -45,64 +38,6 @@ struct Row {
     rate: f64,
     p50: Duration,
     p99: Duration,
-}
-
-/// Runs `op(worker, n)` from `workers` tasks for `secs` seconds (after a one-second
-/// warm-up) and reports throughput and latency.
-async fn measure<F, Fut>(settings: &Settings, op: F) -> (u64, f64, Duration, Duration)
-where
-    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let op = Arc::new(op);
-    let counter = Arc::new(AtomicU64::new(0));
-    let warm_until = Instant::now() + Duration::from_secs(1);
-    let until = warm_until + Duration::from_secs(settings.secs);
-    let tasks: Vec<_> = (0..settings.workers)
-        .map(|worker| {
-            let op = Arc::clone(&op);
-            let counter = Arc::clone(&counter);
-            tokio::spawn(async move {
-                let mut latencies = Vec::new();
-                loop {
-                    let n = counter.fetch_add(1, Ordering::Relaxed);
-                    let started = Instant::now();
-                    if started >= until {
-                        break;
-                    }
-                    op(worker, n).await;
-                    if started >= warm_until {
-                        latencies.push(started.elapsed());
-                    }
-                }
-                latencies
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for task in tasks {
-        all.extend(task.await.expect("worker"));
-    }
-    all.sort();
-    let pick = |q: f64| {
-        all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or_default()
-    };
-    let n = all.len() as u64;
-    (n, n as f64 / settings.secs as f64, pick(0.5), pick(0.99))
-}
-
-fn ok_response() -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from_static(br#"{"ok":true}"#)));
-    *response.status_mut() = StatusCode::CREATED;
-    response
-}
-
-fn identity(key: &str) -> RequestIdentity {
-    let key = IdempotencyKey::parse(key.as_bytes()).ok();
-    let uri = Uri::from_static("/effects");
-    RequestIdentity::new(key, "bench", &Method::POST, &uri, br#"{"amount":1}"#)
 }
 
 /// `idem-first` and `idem-replay` for one backend.
@@ -211,24 +146,6 @@ async fn bare<DB: Backend>(
         p50,
         p99,
     });
-}
-
-/// The business write every variant makes.
-const INSERT: &str = "INSERT INTO effects (note) VALUES ('x')";
-
-/// Creates the business table (`id` declared as `id_column`) and the key table.
-async fn prepare<DB: Backend>(pool: &Pool<DB>, id_column: &str) -> Idempotency<DB>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
-    let ddl = format!("CREATE TABLE effects (id {id_column}, note TEXT NOT NULL)");
-    sqlx::raw_sql(AssertSqlSafe(ddl))
-        .execute(&mut *pool.acquire().await.expect("connection"))
-        .await
-        .expect("effects");
-    let store = Idempotency::new(pool.clone());
-    store.migrate().await.expect("migrate");
-    store
 }
 
 async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {

@@ -215,8 +215,8 @@ pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,
     HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey,
-    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx,
-    fingerprint,
+    KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport,
+    Tx, fingerprint,
 };
 
 #[cfg(feature = "postgres")]

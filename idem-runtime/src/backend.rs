@@ -183,5 +183,13 @@ pub mod sealed {
             sql: &'c Self::IdemSql,
             limit: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'c;
+
+        /// Operator's view: rows matching `query` (see `admin.rs`).
+        #[doc(hidden)]
+        fn idem_inspect<'c>(
+            conn: &'c mut Self::Connection,
+            table: &'c str,
+            query: &'c crate::admin::Query<'c>,
+        ) -> impl Future<Output = Result<Vec<crate::admin::KeyRecord>, sqlx::Error>> + Send + 'c;
     }
 }

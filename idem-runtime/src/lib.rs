@@ -4,6 +4,7 @@
 //! Most users depend on `idem` and never name this crate; its items are re-exported
 //! there.
 
+mod admin;
 #[cfg(feature = "axum")]
 pub mod axum;
 mod backend;
@@ -25,6 +26,7 @@ pub use postgres::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub use admin::KeyRecord;
 pub use backend::Backend;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity, Tx, fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};

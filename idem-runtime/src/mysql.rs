@@ -10,6 +10,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row, Transaction};
 
+use crate::admin::{KeyRecord, Query, decode};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::key::to_hex;
 
@@ -222,6 +223,33 @@ impl Store for MySql {
             .execute(conn)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_inspect(
+        conn: &mut MySqlConnection,
+        table: &str,
+        query: &Query<'_>,
+    ) -> Result<Vec<KeyRecord>, sqlx::Error> {
+        let (filter, limit, payload, params) = query.parts(|_| "?".to_owned(), "UTC_TIMESTAMP(6)");
+        let stored = if payload {
+            "COALESCE(headers, '') AS headers, COALESCE(body, '') AS body"
+        } else {
+            "CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body"
+        };
+        let sql = format!(
+            "SELECT CAST(scope AS CHAR) AS scope, CAST(idempotency_key AS CHAR) AS idempotency_key, \
+                    state, method, path, CAST(status AS SIGNED) AS status, {stored}, \
+                    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
+                    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
+                    CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms \
+             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+        );
+        let mut statement = sqlx::query(AssertSqlSafe(sql));
+        for param in params {
+            statement = statement.bind(param);
+        }
+        let rows = statement.fetch_all(conn).await?;
+        rows.iter().map(decode).collect()
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
+use crate::admin::{KeyRecord, Query, decode};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::store::Idempotency;
 
@@ -251,6 +252,33 @@ impl Store for Postgres {
             .execute(conn)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_inspect(
+        conn: &mut PgConnection,
+        table: &str,
+        query: &Query<'_>,
+    ) -> Result<Vec<KeyRecord>, sqlx::Error> {
+        let (filter, limit, payload, params) =
+            query.parts(|n| format!("${n}"), "clock_timestamp()");
+        let stored = if payload {
+            "coalesce(headers, ''::bytea) AS headers, coalesce(body, ''::bytea) AS body"
+        } else {
+            "''::bytea AS headers, ''::bytea AS body"
+        };
+        let sql = format!(
+            "SELECT scope, idempotency_key, state, method, path, status::bigint AS status, {stored}, \
+                    (extract(epoch FROM locked_until - clock_timestamp()) * 1000)::bigint AS lock_left_ms, \
+                    (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms, \
+                    (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint AS age_ms \
+             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+        );
+        let mut statement = sqlx::query(AssertSqlSafe(sql));
+        for param in params {
+            statement = statement.bind(param);
+        }
+        let rows = statement.fetch_all(conn).await?;
+        rows.iter().map(decode).collect()
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
+use crate::admin::{KeyRecord, Query, decode};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -175,6 +176,31 @@ impl Store for Sqlite {
             .execute(conn)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_inspect(
+        conn: &mut SqliteConnection,
+        table: &str,
+        query: &Query<'_>,
+    ) -> Result<Vec<KeyRecord>, sqlx::Error> {
+        let (filter, limit, payload, params) = query.parts(|n| format!("?{n}"), NOW_MS);
+        let stored = if payload {
+            "coalesce(headers, x'') AS headers, coalesce(body, x'') AS body"
+        } else {
+            "x'' AS headers, x'' AS body"
+        };
+        let sql = format!(
+            "SELECT scope, idempotency_key, state, method, path, status, {stored}, \
+                    locked_until - {NOW_MS} AS lock_left_ms, expires_at - {NOW_MS} AS expires_in_ms, \
+                    {NOW_MS} - created_at AS age_ms \
+             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+        );
+        let mut statement = sqlx::query(AssertSqlSafe(sql));
+        for param in params {
+            statement = statement.bind(param);
+        }
+        let rows = statement.fetch_all(conn).await?;
+        rows.iter().map(decode).collect()
     }
 }
 

@@ -665,6 +665,77 @@ async fn sweep_runs_beside_the_hot_path<H: Harness>() {
     h.finish().await;
 }
 
+/// The operator's view: claims in flight and stuck ones, one key's record, and
+/// which other scopes hold a key, without reading theirs.
+async fn operator_view_lists_and_inspects_keys<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let gate = format!("k-live-{}", unique_suffix());
+    let live = {
+        let req = Req::post("alice", &gate, BODY).header("x-gate", &gate);
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    h.insert_stale_claim("alice", "k-stuck", "POST", "/effects", BODY.as_bytes())
+        .await;
+    let done = send(&app, &Req::post("alice", "k-done", BODY)).await;
+    assert_eq!(
+        send(&app, &Req::post("bob", "k-done", BODY)).await.status,
+        201
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(&gate) {
+        assert!(Instant::now() < deadline, "the gated request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+
+    let store = h.store();
+    let listed = |claims: Vec<idem::KeyRecord>| {
+        let mut keys: Vec<String> = claims.into_iter().map(|c| c.key).collect();
+        keys.sort();
+        keys
+    };
+    // PostgreSQL and MySQL keep a live claim inside its transaction: invisible
+    // until it commits. SQLite's claim is a committed row.
+    let in_flight = listed(store.claims(None, false, 10).await.expect("claims"));
+    assert!(in_flight.contains(&"k-stuck".to_owned()), "{in_flight:?}");
+    assert!(!in_flight.contains(&"k-done".to_owned()), "{in_flight:?}");
+    let stuck = store.claims(None, true, 10).await.expect("stuck claims");
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert!(stuck[0].is_stuck() && stuck[0].key == "k-stuck");
+    assert!(
+        store
+            .claims(Some("bob"), false, 10)
+            .await
+            .expect("claims")
+            .is_empty()
+    );
+
+    let record = store.inspect("alice", "k-done").await.expect("inspect");
+    let record = record.expect("alice's record");
+    assert_eq!(
+        (record.state.as_str(), record.status),
+        ("completed", Some(201))
+    );
+    assert_eq!(record.body, done.body.to_vec());
+    assert!(String::from_utf8_lossy(&record.headers).contains("content-type: application/json"));
+    assert!(record.expires_in_ms > 0 && record.age_ms >= 0);
+    assert!(
+        store
+            .inspect("carol", "k-done")
+            .await
+            .expect("inspect")
+            .is_none()
+    );
+    let mut others = store.other_scopes("carol", "k-done").await.expect("scopes");
+    others.sort();
+    assert_eq!(others, ["alice", "bob"]);
+
+    app::open_gate(&gate);
+    assert_eq!(live.await.expect("gated request").status, 201);
+    h.finish().await;
+}
+
 /// SPEC §6, I1 on the partitioned layout: the primary key includes `expires_at`,
 /// so duplicates whose expiries fall on different days would land in different
 /// partitions. Rounds of concurrent duplicates, half with a one-hour and half with
@@ -834,4 +905,5 @@ conformance!(
     oversized_response_is_rolled_back,
     sweep_deletes_only_expired_completed_keys,
     sweep_runs_beside_the_hot_path,
+    operator_view_lists_and_inspects_keys,
 );

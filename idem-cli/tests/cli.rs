@@ -1,0 +1,157 @@
+//! The `idem` binary against a real SQLite file: what an operator types, what it
+//! prints, and that it never shows another scope's record.
+
+use std::process::Command;
+
+use idem_runtime::Idempotency;
+use sqlx::sqlite::SqliteConnectOptions;
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn idem(url: &str, args: &[&str]) -> Run {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("--database-url")
+        .arg(url)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run idem");
+    Run {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+#[tokio::test]
+async fn operator_commands_on_sqlite() {
+    let dir = std::env::temp_dir().join(format!("idem_cli_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let path = dir.join("keys.db");
+    let pool = sqlx::SqlitePool::connect_with(
+        SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true),
+    )
+    .await
+    .expect("sqlite");
+    Idempotency::new(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    let rows = [
+        // scope, key, state, locked_until, expires_at, body
+        ("alice", "k-stuck", "processing", "-1000", "3600000", ""),
+        (
+            "alice",
+            "k-done",
+            "completed",
+            "-1000",
+            "3600000",
+            "alice's receipt",
+        ),
+        (
+            "bob",
+            "k-done",
+            "completed",
+            "-1000",
+            "3600000",
+            "bob's receipt",
+        ),
+        ("alice", "k-old", "completed", "-7200000", "-1000", "old"),
+    ];
+    for (scope, key, state, lock, ttl, body) in rows {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             VALUES (?1, ?2, ?3, 1, 'POST', '/payments', x'00', 201, \
+                 CAST('content-type: application/json' || char(13, 10) AS BLOB), CAST(?4 AS BLOB), \
+                 {NOW} + {lock}, {NOW} + {ttl}, {NOW} - 5000)"
+        )))
+        .bind(scope)
+        .bind(key)
+        .bind(state)
+        .bind(body)
+        .execute(&pool)
+        .await
+        .expect("row");
+    }
+    pool.close().await;
+    let url = format!("sqlite://{}", path.display());
+
+    let help = idem(&url, &["--help"]);
+    assert_eq!(help.code, 0);
+    assert!(help.stdout.contains("commands:"), "{}", help.stdout);
+    for command in ["list", "show", "sweep", "partitions"] {
+        let help = idem(&url, &[command, "--help"]);
+        assert_eq!(help.code, 0);
+        assert!(help.stdout.contains("usage: idem"), "{command}");
+    }
+
+    let list = idem(&url, &["list"]);
+    assert_eq!(list.code, 0, "{}", list.stderr);
+    assert!(
+        list.stdout.contains("k-stuck") && list.stdout.contains("stuck"),
+        "{}",
+        list.stdout
+    );
+    assert!(
+        !list.stdout.contains("k-done"),
+        "completed keys are not claims"
+    );
+    let stuck = idem(&url, &["list", "--stuck", "--scope", "bob"]);
+    assert!(stuck.stdout.contains("no stuck claims"), "{}", stuck.stdout);
+
+    let show = idem(&url, &["show", "--scope", "alice", "k-done"]);
+    assert_eq!(show.code, 0, "{}", show.stderr);
+    assert!(
+        show.stdout.contains("state:       completed"),
+        "{}",
+        show.stdout
+    );
+    assert!(show.stdout.contains("alice's receipt"));
+    assert!(show.stdout.contains("content-type: application/json"));
+    assert!(
+        !show.stdout.contains("bob's receipt"),
+        "never another scope's record"
+    );
+    assert!(show.stdout.contains("1 other scope(s)") && show.stdout.contains("bob"));
+    let nobody = idem(&url, &["show", "--scope", "carol", "k-done"]);
+    assert!(nobody.stdout.contains("holds no key"), "{}", nobody.stdout);
+    assert!(nobody.stdout.contains("alice, bob") && !nobody.stdout.contains("receipt"));
+
+    let sweep = idem(&url, &["sweep", "--batch", "10"]);
+    assert_eq!(sweep.code, 0, "{}", sweep.stderr);
+    assert!(
+        sweep.stdout.starts_with("deleted 1 expired keys"),
+        "{}",
+        sweep.stdout
+    );
+    assert!(
+        idem(&url, &["show", "--scope", "alice", "k-old"])
+            .stdout
+            .contains("holds no key")
+    );
+
+    let partitions = idem(&url, &["partitions"]);
+    assert_eq!(partitions.code, 2);
+    assert!(
+        partitions.stderr.contains("PostgreSQL"),
+        "{}",
+        partitions.stderr
+    );
+    let unknown = idem(&url, &["lsit"]);
+    assert_eq!(unknown.code, 2);
+    assert!(unknown.stderr.contains("unknown command lsit"));
+    let bad = idem(&url, &["sweep", "--batch", "many"]);
+    assert_eq!(bad.code, 2);
+    assert!(bad.stderr.contains("whole number"));
+
+    let _ = std::fs::remove_dir_all(dir);
+}

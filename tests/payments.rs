@@ -359,18 +359,23 @@ async fn payments_example_on_sqlite_default() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn payments_example_on_postgres() {
-    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-    let admin = match sqlx::PgPool::connect(&base).await {
+/// Runs the contract and the storm against a fresh database on the server at
+/// `$env` (default `fallback`); SKIPPED when unreachable, a failure under CI=true.
+async fn on_server<DB>(env: &str, fallback: &str, drop_suffix: &str)
+where
+    DB: sqlx::Database,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    let base = std::env::var(env).unwrap_or_else(|_| fallback.to_owned());
+    let admin = match sqlx::Pool::<DB>::connect(&base).await {
         Ok(admin) => admin,
         Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
-            panic!("PostgreSQL not reachable at {base}: {error}")
+            panic!("{} not reachable at {base}: {error}", DB::NAME)
         }
         Err(error) => {
             eprintln!(
-                "SKIPPED: PostgreSQL not reachable at {base} ({error}); CI=true makes this a failure"
+                "SKIPPED: {} not reachable at {base} ({error}); CI=true makes this a failure",
+                DB::NAME
             );
             return;
         }
@@ -389,7 +394,7 @@ async fn payments_example_on_postgres() {
     contract(&server.addr).await;
     storm(&server.addr).await;
     drop(server);
-    let drop_db = format!("DROP DATABASE {database} WITH (FORCE)");
+    let drop_db = format!("DROP DATABASE {database}{drop_suffix}");
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_db))
         .execute(&admin)
         .await;
@@ -397,38 +402,13 @@ async fn payments_example_on_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn payments_example_on_postgres() {
+    let fallback = "postgres://postgres@127.0.0.1:5432/postgres";
+    on_server::<sqlx::Postgres>("IDEM_TEST_POSTGRES_URL", fallback, " WITH (FORCE)").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn payments_example_on_mysql() {
-    let base = std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-    let admin = match sqlx::MySqlPool::connect(&base).await {
-        Ok(admin) => admin,
-        Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
-            panic!("MySQL/MariaDB not reachable at {base}: {error}")
-        }
-        Err(error) => {
-            eprintln!(
-                "SKIPPED: MySQL/MariaDB not reachable at {base} ({error}); CI=true makes this a failure"
-            );
-            return;
-        }
-    };
-    let database = format!("idem_payments_{}", std::process::id());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-        .execute(&admin)
-        .await
-        .expect("create database");
-    let url = match base.rsplit_once('/') {
-        Some((server, _)) => format!("{server}/{database}"),
-        None => panic!("no database in {base}"),
-    };
-    let dir = scratch_dir();
-    let server = start(&url, &dir).await;
-    contract(&server.addr).await;
-    storm(&server.addr).await;
-    drop(server);
-    let drop_db = format!("DROP DATABASE {database}");
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_db))
-        .execute(&admin)
-        .await;
-    let _ = std::fs::remove_dir_all(dir);
+    let fallback = "mysql://root@127.0.0.1:3306/test";
+    on_server::<sqlx::MySql>("IDEM_TEST_MYSQL_URL", fallback, "").await;
 }

@@ -670,12 +670,7 @@ async fn sweep_runs_beside_the_hot_path<H: Harness>() {
 async fn operator_view_lists_and_inspects_keys<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
-    let gate = format!("k-live-{}", unique_suffix());
-    let live = {
-        let req = Req::post("alice", &gate, BODY).header("x-gate", &gate);
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, &req).await })
-    };
+    // Writes first: on SQLite the gated handler below holds the only writer lock.
     h.insert_stale_claim("alice", "k-stuck", "POST", "/effects", BODY.as_bytes())
         .await;
     let done = send(&app, &Req::post("alice", "k-done", BODY)).await;
@@ -683,6 +678,12 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
         send(&app, &Req::post("bob", "k-done", BODY)).await.status,
         201
     );
+    let gate = format!("k-live-{}", unique_suffix());
+    let live = {
+        let req = Req::post("alice", &gate, BODY).header("x-gate", &gate);
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, &req).await })
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !app::started(&gate) {
         assert!(Instant::now() < deadline, "the gated request never started");

@@ -293,7 +293,7 @@ async fn failures_roll_back_and_release_the_key<H: Harness>() {
 async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
-    let req = Req::post("alice", "k-hang", BODY).header("x-lock-ms", 1000);
+    let req = Req::post("alice", "k-hang", BODY).header("x-lock-ms", 2000);
     let started = Instant::now();
     let hung = {
         let app = app.clone();
@@ -330,7 +330,7 @@ async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
     let req = Req::post("alice", "k-late", BODY).header("x-lock-ms", 1000);
     let stalled = {
         let app = app.clone();
-        let req = req.clone().header("x-block-ms", 2500);
+        let req = req.clone().header("x-block-ms", 4000);
         tokio::spawn(async move { send(&app, &req).await })
     };
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -116,10 +116,35 @@ impl<DB: Backend> Idempotency<DB> {
     }
 }
 
+/// Runs a backend's inspection query with its text parameters and decodes the rows.
+pub(crate) async fn fetch<DB>(
+    conn: &mut DB::Connection,
+    sql: String,
+    params: Vec<&str>,
+) -> Result<Vec<KeyRecord>, sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for param in params {
+        statement = statement.bind(param);
+    }
+    let rows = statement.fetch_all(conn).await?;
+    rows.iter().map(decode).collect()
+}
+
 /// Decodes the columns every backend's inspection query selects, in one shape:
 /// `scope`, `idempotency_key`, `state`, `method`, `path` as text, `status` and the
 /// three `*_ms` as 64-bit integers, `headers` and `body` as bytes (empty if none).
-pub(crate) fn decode<R>(row: &R) -> Result<KeyRecord, sqlx::Error>
+fn decode<R>(row: &R) -> Result<KeyRecord, sqlx::Error>
 where
     R: sqlx::Row,
     for<'a> &'a str: sqlx::ColumnIndex<R>,

@@ -46,6 +46,35 @@ pub struct Found {
 }
 
 impl Found {
+    /// Decodes a lookup row. Every backend's lookup selects the same shape: `state`,
+    /// `method`, `path` as text; `fingerprint`, `headers`, `body` as bytes; `status`,
+    /// `live`, `fresh` as 64-bit integers.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
+    where
+        R: sqlx::Row,
+        for<'a> &'a str: sqlx::ColumnIndex<R>,
+        for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(Self {
+            completed: row.try_get::<String, _>("state")? == "completed",
+            live: row.try_get::<i64, _>("live")? != 0,
+            fresh: row.try_get::<i64, _>("fresh")? != 0,
+            method: row.try_get("method")?,
+            path: row.try_get("path")?,
+            fingerprint: row.try_get("fingerprint")?,
+            status: row
+                .try_get::<Option<i64>, _>("status")?
+                .and_then(|s| i32::try_from(s).ok()),
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+        })
+    }
+
     pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
         self.method == id.method
             && self.path == id.path

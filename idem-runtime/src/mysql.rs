@@ -8,9 +8,9 @@
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row, Transaction};
+use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
-use crate::admin::{KeyRecord, Query, decode};
+use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::key::to_hex;
 
@@ -46,7 +46,7 @@ impl Store for MySql {
         Sql {
             table: table.into(),
             lookup: format!(
-                "SELECT state, method, path, fingerprint, status, headers, body, \
+                "SELECT state, method, path, fingerprint, CAST(status AS SIGNED) AS status, headers, body, \
                         CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
                         CAST(expires_at > UTC_TIMESTAMP(6) AS SIGNED) AS fresh \
                  FROM {table} WHERE scope = ? AND idempotency_key = ?"
@@ -128,20 +128,7 @@ impl Store for MySql {
             .bind(id.key)
             .fetch_optional(conn)
             .await?;
-        row.map(|row| {
-            Ok(Found {
-                completed: row.try_get::<&str, _>("state")? == "completed",
-                live: row.try_get::<i64, _>("live")? != 0,
-                fresh: row.try_get::<i64, _>("fresh")? != 0,
-                method: row.try_get("method")?,
-                path: row.try_get("path")?,
-                fingerprint: row.try_get("fingerprint")?,
-                status: row.try_get::<Option<i16>, _>("status")?.map(i32::from),
-                headers: row.try_get("headers")?,
-                body: row.try_get("body")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(Found::decode).transpose()
     }
 
     async fn idem_claim<'c>(
@@ -244,12 +231,7 @@ impl Store for MySql {
                     CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms \
              FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
         );
-        let mut statement = sqlx::query(AssertSqlSafe(sql));
-        for param in params {
-            statement = statement.bind(param);
-        }
-        let rows = statement.fetch_all(conn).await?;
-        rows.iter().map(decode).collect()
+        fetch::<MySql>(conn, sql, params).await
     }
 }
 

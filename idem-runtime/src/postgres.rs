@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Transaction};
 
-use crate::admin::{KeyRecord, Query, decode};
+use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::store::Idempotency;
 
@@ -68,9 +68,9 @@ impl Store for Postgres {
             lock,
             table: table.into(),
             lookup: format!(
-                "SELECT state, method, path, fingerprint, status, headers, body, \
-                        locked_until > clock_timestamp() AS live, \
-                        expires_at > clock_timestamp() AS fresh \
+                "SELECT state, method, path, fingerprint, status::int8 AS status, headers, body, \
+                        (locked_until > clock_timestamp())::int::int8 AS live, \
+                        (expires_at > clock_timestamp())::int::int8 AS fresh \
                  FROM {table} WHERE scope = $1 AND idempotency_key = $2"
             )
             .into(),
@@ -139,20 +139,7 @@ impl Store for Postgres {
             .bind(id.key)
             .fetch_optional(conn)
             .await?;
-        row.map(|row| {
-            Ok(Found {
-                completed: row.try_get::<&str, _>("state")? == "completed",
-                live: row.try_get("live")?,
-                fresh: row.try_get("fresh")?,
-                method: row.try_get("method")?,
-                path: row.try_get("path")?,
-                fingerprint: row.try_get("fingerprint")?,
-                status: row.try_get::<Option<i16>, _>("status")?.map(i32::from),
-                headers: row.try_get("headers")?,
-                body: row.try_get("body")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(Found::decode).transpose()
     }
 
     async fn idem_claim<'c>(
@@ -273,12 +260,7 @@ impl Store for Postgres {
                     (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint AS age_ms \
              FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
         );
-        let mut statement = sqlx::query(AssertSqlSafe(sql));
-        for param in params {
-            statement = statement.bind(param);
-        }
-        let rows = statement.fetch_all(conn).await?;
-        rows.iter().map(decode).collect()
+        fetch::<Postgres>(conn, sql, params).await
     }
 }
 

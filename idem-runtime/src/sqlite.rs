@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
-use crate::admin::{KeyRecord, Query, decode};
+use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -90,20 +90,7 @@ impl Store for Sqlite {
             .bind(id.key)
             .fetch_optional(conn)
             .await?;
-        row.map(|row| {
-            Ok(Found {
-                completed: row.try_get::<&str, _>("state")? == "completed",
-                live: row.try_get("live")?,
-                fresh: row.try_get("fresh")?,
-                method: row.try_get("method")?,
-                path: row.try_get("path")?,
-                fingerprint: row.try_get("fingerprint")?,
-                status: row.try_get("status")?,
-                headers: row.try_get("headers")?,
-                body: row.try_get("body")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(Found::decode).transpose()
     }
 
     async fn idem_claim<'c>(
@@ -195,12 +182,7 @@ impl Store for Sqlite {
                     {NOW_MS} - created_at AS age_ms \
              FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
         );
-        let mut statement = sqlx::query(AssertSqlSafe(sql));
-        for param in params {
-            statement = statement.bind(param);
-        }
-        let rows = statement.fetch_all(conn).await?;
-        rows.iter().map(decode).collect()
+        fetch::<Sqlite>(conn, sql, params).await
     }
 }
 

@@ -50,7 +50,7 @@ impl Found {
     /// `method`, `path` as text; `fingerprint`, `headers`, `body` as bytes; `status`,
     /// `live`, `fresh` as 64-bit integers.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
-    pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
+    fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
     where
         R: sqlx::Row,
         for<'a> &'a str: sqlx::ColumnIndex<R>,
@@ -73,6 +73,34 @@ impl Found {
             headers: row.try_get("headers")?,
             body: row.try_get("body")?,
         })
+    }
+
+    /// Runs a backend's lookup statement (parameters: scope, key) and decodes the
+    /// row it finds; the SQL is each backend's, the binding and decoding are not.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    pub(crate) async fn load<DB>(
+        conn: &mut DB::Connection,
+        sql: &std::sync::Arc<str>,
+        id: &Identity<'_>,
+    ) -> Result<Option<Self>, sqlx::Error>
+    where
+        DB: Database,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+        for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
+        for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+        for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+        for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+        for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+        for<'r> Option<Vec<u8>>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    {
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .fetch_optional(conn)
+            .await?;
+        row.as_ref().map(Self::decode).transpose()
     }
 
     pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {

@@ -85,12 +85,7 @@ impl Store for Sqlite {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(sql.lookup.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .fetch_optional(conn)
-            .await?;
-        row.as_ref().map(Found::decode).transpose()
+        Found::load::<Sqlite>(conn, &sql.lookup, id).await
     }
 
     async fn idem_claim<'c>(

@@ -15,7 +15,7 @@
 //! | malformed or repeated key | 400 `invalid-key` |
 //! | first request for (scope, key) | the handler runs; its response is recorded with its writes |
 //! | same key and request, completed | the stored response, plus `Idempotent-Replayed: true` |
-//! | same key and request, in flight | 409 `in-flight`, `Retry-After: 1` |
+//! | same key and request, in flight | 409 `in-flight`, `Retry-After` = what is left of the holder's `lock`; with `wait`, first waits for it and replays |
 //! | same key, another method, path or body | 422 `payload-mismatch` |
 //! | handler answers ≥ 500, panics, or outlives its `lock` | rolled back, key released: a retry runs it again |
 //! | key older than its `ttl` | treated as never seen |
@@ -157,7 +157,9 @@
 /// | `scope` | the name of a parameter whose value scopes keys, e.g. the authenticated user; its type implements [`Scope`] | none: one scope for everyone |
 /// | `ttl` | how long a key is remembered: `"500ms"`, `"30s"`, `"15m"`, `"24h"`, `"3d"` | `"24h"` |
 /// | `lock` | the longest one execution may hold the key; shorter than `ttl` | `"30s"` |
+/// | `wait` | how long a duplicate waits for an in-flight first request, then replays its response (holding no connection meanwhile); 409 at the bound | none: 409 at once |
 /// | `required` | refuse requests without a key with 400 `missing-key` | `false` |
+/// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
 ///
 /// Without `scope` every client shares one key space: two clients that send the
@@ -214,9 +216,9 @@
 pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,
-    HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey,
-    KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport,
-    Tx, fingerprint,
+    HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED, Idempotency,
+    IdempotencyKey, InvalidKey, KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity,
+    Scope, Sweep, SweepReport, Tx, fingerprint,
 };
 
 #[cfg(feature = "postgres")]

@@ -1,10 +1,10 @@
-//! The attribute's options: `scope`, `ttl`, `lock`, `required`, `db` (and the
-//! reserved `wait`).
+//! The attribute's options: `scope`, `ttl`, `lock`, `wait`, `required`,
+//! `ttl_header`, `db`.
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Token, Type};
 
-const OPTIONS: &str = "`scope`, `ttl`, `lock`, `required`, `db`";
+const OPTIONS: &str = "`scope`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `db`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -22,7 +22,9 @@ pub(crate) struct Args {
     pub(crate) scope: Option<LitStr>,
     pub(crate) ttl: Option<Duration>,
     pub(crate) lock: Option<Duration>,
+    pub(crate) wait: Option<Duration>,
     pub(crate) required: Option<LitBool>,
+    pub(crate) ttl_header: Option<LitBool>,
     pub(crate) db: Option<Type>,
 }
 
@@ -70,14 +72,14 @@ impl Parse for Args {
                         "expected the name of a handler parameter as a string, like `scope = \"user_id\"`",
                     )),
                 },
-                "ttl" | "lock" => match input.parse()? {
+                "ttl" | "lock" | "wait" => match input.parse()? {
                     Lit::Str(lit) => match parse_duration(&lit) {
                         Ok(millis) => {
                             let value = Some(Duration { millis, lit });
-                            if key == "ttl" {
-                                args.ttl = value;
-                            } else {
-                                args.lock = value;
+                            match key.as_str() {
+                                "ttl" => args.ttl = value,
+                                "lock" => args.lock = value,
+                                _ => args.wait = value,
                             }
                         }
                         Err(error) => errors.push(error),
@@ -87,20 +89,14 @@ impl Parse for Args {
                         format!("expected a duration string, like `{key} = \"30s\"`"),
                     )),
                 },
-                "required" => match input.parse()? {
-                    Lit::Bool(lit) => args.required = Some(lit),
+                "required" | "ttl_header" => match input.parse()? {
+                    Lit::Bool(lit) if key == "required" => args.required = Some(lit),
+                    Lit::Bool(lit) => args.ttl_header = Some(lit),
                     other => errors.push(Error::new_spanned(
                         other,
                         "expected `true` or `false`",
                     )),
                 },
-                "wait" => {
-                    let _: syn::Expr = input.parse()?;
-                    errors.push(Error::new_spanned(
-                        &name,
-                        "`wait` is reserved for a later release of idem: concurrent duplicates get 409 `in-flight` with `Retry-After`",
-                    ));
-                }
                 _ => {
                     let _: syn::Expr = input.parse()?;
                     errors.push(Error::new_spanned(

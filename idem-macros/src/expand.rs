@@ -4,8 +4,8 @@ use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{
-    Error, FnArg, GenericArgument, Ident, Item, ItemFn, Pat, PatType, PathArguments, ReturnType,
-    Type,
+    Error, FnArg, GenericArgument, Ident, Item, ItemFn, LitBool, Pat, PatType, PathArguments,
+    ReturnType, Type,
 };
 
 use crate::attr::{Args, DEFAULT_LOCK_MS, DEFAULT_TTL_MS, Errors};
@@ -197,11 +197,15 @@ impl<'a> Handler<'a> {
         let required = explicit.unwrap_or(false) || self.key_required;
         let ttl = args.ttl.as_ref().map_or(DEFAULT_TTL_MS, |d| d.millis);
         let lock = args.lock.as_ref().map_or(DEFAULT_LOCK_MS, |d| d.millis);
+        let wait = args.wait.as_ref().map_or(0, |d| d.millis);
+        let ttl_header = args.ttl_header.as_ref().is_some_and(LitBool::value);
         let options = quote! {
             #private::Options::new()
                 .ttl(::std::time::Duration::from_millis(#ttl))
                 .lock(::std::time::Duration::from_millis(#lock))
+                .wait(::std::time::Duration::from_millis(#wait))
                 .required(#required)
+                .ttl_header(#ttl_header)
         };
 
         // The last extracted parameter is axum's body extractor; the rest stay in

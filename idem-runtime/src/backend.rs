@@ -210,6 +210,8 @@ pub mod sealed {
 
         /// Completes the row inside the handler's transaction, if `lease` still holds
         /// it by the database clock. `false`: the lease was lost; roll back.
+        /// `announce`: the key's signal, for a backend that tells other instances'
+        /// waiters when the transaction commits (see [`idem_watch`](Self::idem_watch)).
         #[doc(hidden)]
         fn idem_record<'c>(
             conn: &'c mut Self::Connection,
@@ -217,7 +219,30 @@ pub mod sealed {
             id: &'c Identity<'c>,
             lease: i64,
             response: Recorded<'c>,
+            announce: Option<u64>,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+
+        /// Milliseconds left on the lock of whoever holds (scope, key) now, by the
+        /// database clock; `None` when nobody visibly holds it. `lock_ms` is the
+        /// endpoint's lock, for backends that only know when the holder started.
+        #[doc(hidden)]
+        fn idem_lock_left<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            id: &'c Identity<'c>,
+            lock_ms: i64,
+        ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'c;
+
+        /// Starts relaying other instances' announcements into `signals` until
+        /// `stop` ends; backends without cross-instance announcements do nothing.
+        #[doc(hidden)]
+        fn idem_watch(
+            pool: &sqlx::Pool<Self>,
+            signals: tokio::sync::broadcast::WeakSender<u64>,
+            stop: tokio::sync::oneshot::Receiver<()>,
+        ) {
+            let _ = (pool, signals, stop);
+        }
 
         /// Runs after the handler's transaction ended (`committed` or rolled back):
         /// frees a claim that outlives the transaction (SQLite's committed row, after

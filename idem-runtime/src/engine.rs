@@ -10,19 +10,21 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
-use http::{Method, Response, Uri};
+use http::{HeaderValue, Method, Response, Uri, header};
 use http_body::Body;
 use http_body_util::{BodyExt as _, Limited};
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Transaction};
+use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, Claim, Found, Identity, Recorded};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
-use crate::record::{encode_headers, replay};
+use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
+use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, signal_of};
 use crate::store::Idempotency;
 
 /// The transaction a handler writes through; the response is recorded in it.
@@ -223,6 +225,21 @@ enum Decision {
         takeover: bool,
     },
     Answer(Outcome, Response<Bytes>),
+    /// Another executor holds it.
+    InFlight,
+}
+
+/// How one attempt ended.
+enum Step<F> {
+    Done(Outcome, Response<Bytes>),
+    /// Another executor holds the key; the handler did not run and comes back.
+    InFlight(F),
+}
+
+impl<F> From<(Outcome, Response<Bytes>)> for Step<F> {
+    fn from((outcome, response): (Outcome, Response<Bytes>)) -> Self {
+        Self::Done(outcome, response)
+    }
 }
 
 /// The handler's result once its body is buffered.
@@ -339,16 +356,15 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        if request.key.is_none() && options.is_required() {
-            let detail = "this endpoint requires an Idempotency-Key header";
-            return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
-        }
-        let mut conn = match self.inner.pool.acquire().await {
-            Ok(conn) => conn,
-            Err(error) => return self.store_failed(&error),
-        };
         let Some(key) = &request.key else {
-            return self.run_unkeyed(&mut conn, handler).await;
+            if options.is_required() {
+                let detail = "this endpoint requires an Idempotency-Key header";
+                return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
+            }
+            return match self.inner.pool.acquire().await {
+                Ok(mut conn) => self.run_unkeyed(&mut conn, handler).await,
+                Err(error) => self.store_failed(&error),
+            };
         };
         let id = Identity {
             scope: &request.scope,
@@ -357,14 +373,61 @@ impl<DB: Backend> Idempotency<DB> {
             path: &request.path,
             fingerprint: &request.fingerprint,
         };
-        let sql = &self.inner.sql;
+        let signal = signal_of(&self.inner.table, id.scope, id.key);
+        let wait = options.wait_duration();
+        // Subscribed before the first look, so an announcement between a look and
+        // the wait that follows it is not lost.
+        let mut waiting = (!wait.is_zero()).then(|| {
+            if let Some((signals, stop)) = self.inner.signals.watch_once() {
+                DB::idem_watch(&self.inner.pool, signals, stop);
+            }
+            (self.inner.signals.subscribe(), TokioInstant::now() + wait)
+        });
+        let mut pause = FIRST_PAUSE;
+        let mut handler = handler;
+        loop {
+            handler = match self.attempt(&id, &options, signal, handler).await {
+                Step::Done(outcome, response) => return (outcome, response),
+                Step::InFlight(handler) => handler,
+            };
+            match &mut waiting {
+                Some((receiver, deadline)) if TokioInstant::now() < *deadline => {
+                    // No connection is held while waiting.
+                    let until = (*deadline).min(TokioInstant::now() + pause);
+                    announced(receiver, signal, until).await;
+                    pause = (pause * 2).min(MAX_PAUSE);
+                }
+                _ => return (Outcome::InFlight, self.in_flight(&id, &options).await),
+            }
+        }
+    }
 
-        let (replace, takeover) = match DB::idem_lookup(&mut conn, sql, &id).await {
-            Ok(found) => match self.decide(found, &id) {
+    /// One look at (scope, key): answer from what is stored, or claim and execute;
+    /// `InFlight` hands the handler back when another executor holds the key.
+    async fn attempt<F, B>(
+        &self,
+        id: &Identity<'_>,
+        options: &Options,
+        signal: u64,
+        handler: F,
+    ) -> Step<F>
+    where
+        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let mut conn = match self.inner.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(error) => return self.store_failed(&error).into(),
+        };
+        let sql = &self.inner.sql;
+        let (replace, takeover) = match DB::idem_lookup(&mut conn, sql, id).await {
+            Ok(found) => match self.decide(found, id) {
                 Decision::Claim { replace, takeover } => (replace, takeover),
-                Decision::Answer(outcome, response) => return (outcome, response),
+                Decision::Answer(outcome, response) => return Step::Done(outcome, response),
+                Decision::InFlight => return Step::InFlight(handler),
             },
-            Err(error) => return self.store_failed(&error),
+            Err(error) => return self.store_failed(&error).into(),
         };
 
         let lease = new_lease();
@@ -374,18 +437,19 @@ impl<DB: Backend> Idempotency<DB> {
             ttl_ms: options.ttl_millis(),
             replace,
         };
-        let mut tx = match DB::idem_claim(&mut conn, sql, &id, claim).await {
+        let mut tx = match DB::idem_claim(&mut conn, sql, id, claim).await {
             Ok(Some(tx)) => tx,
             // `other` takes the whole result, so `conn` is free again below.
             other => {
                 let error = other.err();
-                return self.claim_lost(&mut conn, &id, lease, error).await;
+                return self.claim_lost(&mut conn, id, lease, error, handler).await;
             }
         };
         if takeover {
             tracing::info!("taking over a claim whose lock had passed");
         }
 
+        let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
         let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
         let ran = run_handler(
@@ -397,14 +461,21 @@ impl<DB: Backend> Idempotency<DB> {
         let clean;
         let mut committed = false;
         let (outcome, response) = match ran.await {
-            Ran::Done(response) if !response.status().is_server_error() => {
+            Ran::Done(mut response) if !response.status().is_server_error() => {
+                if options.advertises_ttl() {
+                    let seconds = options.ttl_duration().as_secs();
+                    response
+                        .headers_mut()
+                        .insert(IDEMPOTENCY_KEY_TTL, HeaderValue::from(seconds));
+                }
                 let headers = encode_headers(response.headers());
                 let recorded = Recorded {
                     status: i32::from(response.status().as_u16()),
                     headers: &headers,
                     body: response.body(),
                 };
-                match DB::idem_record(&mut tx, sql, &id, lease, recorded).await {
+                let announce = waits.then_some(signal);
+                match DB::idem_record(&mut tx, sql, id, lease, recorded, announce).await {
                     Ok(true) => match tx.commit().await {
                         Ok(()) => {
                             clean = true;
@@ -443,7 +514,7 @@ impl<DB: Backend> Idempotency<DB> {
                 (Outcome::Released, self.failed(ran))
             }
         };
-        if let Err(error) = DB::idem_finish(&mut conn, sql, &id, lease, committed).await {
+        if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
             // A claim left behind keeps the key busy until its lock passes, when a
             // retry takes it over; session state left behind must not be pooled.
             tracing::warn!(%error, "could not finish the claim");
@@ -453,32 +524,36 @@ impl<DB: Backend> Idempotency<DB> {
             // Whatever state the session is in, it is not handed to the next request.
             conn.close_on_drop();
         }
-        (outcome, response)
+        if waits {
+            self.inner.signals.publish(signal);
+        }
+        Step::Done(outcome, response)
     }
 
     /// Answers a request whose claim failed: from what the winner left (409 while it
     /// runs), or 503 when the database failed.
-    async fn claim_lost(
+    async fn claim_lost<F>(
         &self,
         conn: &mut PoolConnection<DB>,
         id: &Identity<'_>,
         lease: i64,
         error: Option<sqlx::Error>,
-    ) -> (Outcome, Response<Bytes>) {
+        handler: F,
+    ) -> Step<F> {
         let sql = &self.inner.sql;
         if let Some(error) = error {
             // A backend may have committed its claim before failing; and the
             // session may be left in any state, so it is not reused.
             let _ = DB::idem_finish(conn, sql, id, lease, false).await;
             conn.close_on_drop();
-            return self.store_failed(&error);
+            return self.store_failed(&error).into();
         }
         match DB::idem_lookup(conn, sql, id).await {
             Ok(found) => match self.decide(found, id) {
-                Decision::Answer(outcome, response) => (outcome, response),
-                Decision::Claim { .. } => (Outcome::InFlight, self.in_flight()),
+                Decision::Answer(outcome, response) => Step::Done(outcome, response),
+                Decision::Claim { .. } | Decision::InFlight => Step::InFlight(handler),
             },
-            Err(error) => self.store_failed(&error),
+            Err(error) => self.store_failed(&error).into(),
         }
     }
 
@@ -554,7 +629,7 @@ impl<DB: Backend> Idempotency<DB> {
             );
             Decision::Answer(Outcome::Replayed, response)
         } else if found.live {
-            Decision::Answer(Outcome::InFlight, self.in_flight())
+            Decision::InFlight
         } else {
             Decision::Claim {
                 replace: true,
@@ -567,9 +642,34 @@ impl<DB: Backend> Idempotency<DB> {
         problem.to_response(&self.inner.problem_base, detail)
     }
 
-    fn in_flight(&self) -> Response<Bytes> {
+    /// 409 `in-flight`, with `Retry-After` from what is left of the holder's lock:
+    /// by then the key is completed or free. One second when that is unknown.
+    async fn in_flight(&self, id: &Identity<'_>, options: &Options) -> Response<Bytes> {
+        let left = match self.inner.pool.acquire().await {
+            Ok(mut conn) => {
+                DB::idem_lock_left(&mut conn, &self.inner.sql, id, options.lock_millis()).await
+            }
+            Err(error) => Err(error),
+        };
+        let seconds = match left {
+            // Clamped: MySQL's transaction start has whole seconds only.
+            Ok(Some(ms)) => ms
+                .min(options.lock_millis())
+                .saturating_add(999)
+                .div_euclid(1000)
+                .max(1),
+            Ok(None) => 1,
+            Err(error) => {
+                tracing::debug!(%error, "could not read the holder's lock");
+                1
+            }
+        };
         let detail = "a request with this Idempotency-Key is still being processed; retry later";
-        self.problem(Problem::InFlight, detail)
+        let mut response = self.problem(Problem::InFlight, detail);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        response
     }
 
     fn lease_expired(&self) -> Response<Bytes> {

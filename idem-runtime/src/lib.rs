@@ -14,6 +14,7 @@ mod options;
 mod problem;
 mod record;
 mod scope;
+mod signal;
 mod store;
 mod sweep;
 
@@ -32,7 +33,7 @@ pub use engine::{HandlerFuture, Outcome, RequestIdentity, Tx, fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use options::Options;
 pub use problem::Problem;
-pub use record::IDEMPOTENT_REPLAYED;
+pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;
 pub use store::{
     Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,

@@ -7,12 +7,12 @@
 
 use std::sync::Arc;
 
-use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::key::to_hex;
+use crate::signal::key_digest;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
 const LOCK_NAME: &str =
@@ -26,6 +26,7 @@ pub struct Sql {
     claim_new: Arc<str>,
     claim_over: Arc<str>,
     record: Arc<str>,
+    lock_left: Arc<str>,
     finish: Arc<str>,
     sweep: Arc<str>,
 }
@@ -82,6 +83,16 @@ impl Store for MySql {
                 "UPDATE {table} SET state = 'completed', status = ?, headers = ?, body = ? \
                  WHERE scope = ? AND idempotency_key = ? AND lease = ? \
                    AND state = 'processing' AND locked_until > UTC_TIMESTAMP(6)"
+            )
+            .into(),
+            // The holder's claim is not visible, but its named lock is, and the start
+            // of its transaction usually (INNODB_TRX needs the PROCESS privilege and
+            // is a snapshot up to 0.1 s old). Unknown start: the whole lock is left.
+            lock_left: format!(
+                "SELECT CAST(? - COALESCE((SELECT TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 \
+                                           FROM information_schema.INNODB_TRX t \
+                                           WHERE t.trx_mysql_thread_id = h.holder), 0) AS SIGNED) \
+                 FROM (SELECT IS_USED_LOCK({LOCK_NAME}) AS holder) h WHERE h.holder IS NOT NULL"
             )
             .into(),
             sweep: format!(
@@ -170,6 +181,7 @@ impl Store for MySql {
         id: &'c Identity<'c>,
         lease: i64,
         response: Recorded<'c>,
+        _announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
         let status = i16::try_from(response.status).unwrap_or(i16::MAX);
         let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
@@ -182,6 +194,19 @@ impl Store for MySql {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn idem_lock_left(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        lock_ms: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
+            .bind(lock_ms)
+            .bind(lock_seed(&sql.table, id))
+            .fetch_optional(conn)
+            .await
     }
 
     async fn idem_finish(
@@ -246,10 +271,5 @@ async fn finish(
 /// Hex SHA-256 over (table, scope, key); the SQL mixes in the database name and
 /// keeps 40 hex digits, within MySQL's 64-character limit on lock names.
 fn lock_seed(table: &str, id: &Identity<'_>) -> String {
-    let mut hash = Sha256::new();
-    for part in [table, id.scope, id.key] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part.as_bytes());
-    }
-    to_hex(&hash.finalize())
+    to_hex(&key_digest(table, id.scope, id.key))
 }

@@ -1,4 +1,4 @@
-//! Per-endpoint settings: `ttl`, `lock`, `required`.
+//! Per-endpoint settings: `ttl`, `lock`, `required`, `wait`, `ttl_header`.
 
 use std::time::Duration;
 
@@ -17,23 +17,30 @@ use std::time::Duration;
 /// const PAYMENTS: Options = Options::new()
 ///     .ttl(Duration::from_secs(24 * 3600))
 ///     .lock(Duration::from_secs(30))
-///     .required(true);
+///     .required(true)
+///     .wait(Duration::from_secs(5));
 /// assert!(PAYMENTS.is_required());
+/// assert_eq!(PAYMENTS.wait_duration(), Duration::from_secs(5));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
     ttl: Duration,
     lock: Duration,
     required: bool,
+    wait: Duration,
+    ttl_header: bool,
 }
 
 impl Options {
-    /// Defaults: `ttl` 24 hours, `lock` 30 seconds, key not required.
+    /// Defaults: `ttl` 24 hours, `lock` 30 seconds, key not required, no `wait`, no
+    /// TTL header.
     pub const fn new() -> Self {
         Self {
             ttl: Duration::from_secs(24 * 60 * 60),
             lock: Duration::from_secs(30),
             required: false,
+            wait: Duration::ZERO,
+            ttl_header: false,
         }
     }
 
@@ -60,6 +67,41 @@ impl Options {
     pub const fn required(mut self, required: bool) -> Self {
         self.required = required;
         self
+    }
+
+    /// How long a duplicate that arrives while the first request is still executing
+    /// waits for it, instead of being answered 409 `in-flight` at once. When the
+    /// first completes within `wait`, the duplicate gets its stored response as a
+    /// replay; when it fails and releases the key, the duplicate claims the key and
+    /// runs the handler itself; at the bound, 409 as without `wait`.
+    ///
+    /// A waiting duplicate holds no database connection. It is woken as soon as an
+    /// executor of this endpoint finishes on the same instance, or, on PostgreSQL,
+    /// on any instance (`LISTEN`/`NOTIFY`); otherwise it looks again after 25 ms,
+    /// then at doubling intervals of at most 500 ms. Zero (the default) never waits.
+    #[must_use]
+    pub const fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Whether responses recorded for this endpoint carry `Idempotency-Key-TTL`:
+    /// the whole seconds the key is kept, counted from its first request. The header
+    /// is stored with the response, so every replay repeats it byte for byte.
+    #[must_use]
+    pub const fn ttl_header(mut self, advertise: bool) -> Self {
+        self.ttl_header = advertise;
+        self
+    }
+
+    /// See [`wait`](Self::wait).
+    pub const fn wait_duration(&self) -> Duration {
+        self.wait
+    }
+
+    /// See [`ttl_header`](Self::ttl_header).
+    pub const fn advertises_ttl(&self) -> bool {
+        self.ttl_header
     }
 
     /// See [`ttl`](Self::ttl).

@@ -3,13 +3,19 @@
 //! The design and its measured cost are described in `docs/backends.md` (rendered
 //! on [`Backend`](crate::Backend)); the SQL below is all this backend runs.
 
+use std::pin::pin;
 use std::sync::Arc;
 
-use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Transaction};
+use futures_util::future::{Either, select};
+
+use sqlx::postgres::{PgListener, PgPool};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row as _, Transaction};
+use tokio::sync::broadcast::WeakSender;
+use tokio::sync::oneshot;
 
 use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::signal::signal_of;
 use crate::store::Idempotency;
 
 /// Taken with every claim: the advisory try-lock on `seed` (never waits), and the
@@ -24,6 +30,18 @@ fn lock_and_timeouts(seed: &str, timeout: &str) -> String {
     )
 }
 
+/// Milliseconds left on the lock of the claim holding advisory lock seed `$1`, for
+/// an endpoint whose lock is `$2` ms. The holder's claim is not visible, but its
+/// advisory lock is, and the start of its transaction to roles allowed to see it;
+/// the lock counts from there (from now, when the start is hidden).
+const LOCK_LEFT: &str = "SELECT ($2 - coalesce((extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8, 0))::int8 \
+     FROM (SELECT hashtextextended(current_schema(), $1) AS k) s \
+     JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+      AND l.classid = ((s.k >> 32) & 4294967295)::oid \
+      AND l.objid = (s.k & 4294967295)::oid \
+     LEFT JOIN pg_stat_activity a ON a.pid = l.pid";
+
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
@@ -32,6 +50,8 @@ pub struct Sql {
     claim_new: Arc<str>,
     claim_over: Arc<str>,
     record: Arc<str>,
+    /// `record` that also announces the completion to waiters on every instance.
+    record_announced: Arc<str>,
     sweep: Arc<str>,
     /// Partitioned layout only: the lock, taken in a statement of its own so that
     /// the claim's check for an existing row reads after it.
@@ -64,6 +84,11 @@ impl Store for Postgres {
             let guard = lock_and_timeouts("$9", "$10");
             (guard.clone(), guard, None)
         };
+        let record = format!(
+            "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
+             WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
+               AND state = 'processing' AND locked_until > clock_timestamp()"
+        );
         Sql {
             lock,
             table: table.into(),
@@ -98,10 +123,12 @@ impl Store for Postgres {
                  RETURNING lease"
             )
             .into(),
-            record: format!(
-                "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
-                 WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
-                   AND state = 'processing' AND locked_until > clock_timestamp()"
+            record: record.as_str().into(),
+            // NOTIFY is delivered at commit, and only then: a waiter woken by it
+            // finds the record.
+            record_announced: format!(
+                "WITH done AS ({record} RETURNING pg_notify('{CHANNEL}', $7)) \
+                 SELECT count(*) FROM done"
             )
             .into(),
             // SKIP LOCKED: a row a claim is taking over right now is left for the
@@ -199,18 +226,53 @@ impl Store for Postgres {
         id: &'c Identity<'c>,
         lease: i64,
         response: Recorded<'c>,
+        announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
         let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
+        let statement = if announce.is_some() {
+            &sql.record_announced
+        } else {
+            &sql.record
+        };
+        let query = sqlx::query(AssertSqlSafe(statement.clone()))
             .bind(id.scope)
             .bind(id.key)
             .bind(lease)
             .bind(status)
             .bind(response.headers)
-            .bind(response.body)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
+            .bind(response.body);
+        let recorded = match announce {
+            Some(signal) => {
+                let count: i64 = query
+                    .bind(signal.to_string())
+                    .fetch_one(conn)
+                    .await?
+                    .try_get(0)?;
+                count
+            }
+            None => {
+                let done = query.execute(conn).await?;
+                i64::try_from(done.rows_affected()).unwrap_or(i64::MAX)
+            }
+        };
+        Ok(recorded == 1)
+    }
+
+    async fn idem_lock_left(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        lock_ms: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(LOCK_LEFT)
+            .bind(advisory_key(&sql.table, id))
+            .bind(lock_ms)
+            .fetch_optional(conn)
+            .await
+    }
+
+    fn idem_watch(pool: &PgPool, signals: WeakSender<u64>, stop: oneshot::Receiver<()>) {
+        tokio::spawn(relay_announcements(pool.clone(), signals, stop));
     }
 
     async fn idem_finish(
@@ -259,19 +321,51 @@ impl Store for Postgres {
     }
 }
 
-/// The seed of the advisory lock taken with a claim: 64 bits of SHA-256 over (table,
-/// scope, key); the SQL mixes in the schema. A collision between two live keys only
-/// makes one of them answer 409 for a moment.
+/// The seed of the advisory lock taken with a claim: the key's 64-bit signal; the
+/// SQL mixes in the schema. A collision between two live keys only makes one of
+/// them answer 409 for a moment.
 fn advisory_key(table: &str, id: &Identity<'_>) -> i64 {
-    let mut hash = Sha256::new();
-    for part in [table, id.scope, id.key] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part.as_bytes());
+    i64::from_be_bytes(signal_of(table, id.scope, id.key).to_be_bytes())
+}
+
+/// The channel completions of waiting endpoints are announced on; the payload is the
+/// key's signal in decimal.
+const CHANNEL: &str = "idem_completed";
+
+/// Relays announcements from every instance into this store's signals, on one
+/// pooled connection held from the first `wait` until the store or the pool goes.
+async fn relay_announcements(
+    pool: PgPool,
+    signals: WeakSender<u64>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    loop {
+        let listened = async {
+            let mut listener = PgListener::connect_with(&pool).await?;
+            listener.listen(CHANNEL).await?;
+            loop {
+                let notification = listener.recv().await?;
+                let Some(signals) = signals.upgrade() else {
+                    return Ok::<(), sqlx::Error>(());
+                };
+                if let Ok(signal) = notification.payload().parse::<u64>() {
+                    // No receiver: nobody waits on this instance.
+                    let _ = signals.send(signal);
+                }
+            }
+        };
+        match select(&mut stop, pin!(listened)).await {
+            Either::Right((Err(error), _)) if !pool.is_closed() => {
+                tracing::warn!(%error, "listening for completions failed");
+            }
+            _ => return,
+        }
+        // Waiters still look again on their own meanwhile.
+        let pause = tokio::time::sleep(std::time::Duration::from_secs(1));
+        if let Either::Left(_) = select(&mut stop, pin!(pause)).await {
+            return;
+        }
     }
-    let digest = hash.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
 }
 
 /// What [`Idempotency::maintain_partitions`] changed.
@@ -387,19 +481,26 @@ mod tests {
     /// on another day: in the plain layout the primary key refuses it; in the
     /// partitioned layout, where the key includes `expires_at`, only the check made
     /// after the lock does. Either way the claim is lost and one row remains (I1).
-    #[tokio::test]
-    async fn a_claim_after_a_missed_lookup_never_duplicates_the_key() {
+    /// The test server and a pool on it; `None` (SKIPPED) when it is down outside CI.
+    async fn admin() -> Option<(String, PgPool)> {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-        let admin = match sqlx::PgPool::connect(&url).await {
-            Ok(admin) => admin,
+        match sqlx::PgPool::connect(&url).await {
+            Ok(admin) => Some((url, admin)),
             Err(error) if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
                 panic!("PostgreSQL not reachable at {url}: {error}")
             }
             Err(error) => {
                 eprintln!("SKIPPED: PostgreSQL not reachable at {url} ({error})");
-                return;
+                None
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_claim_after_a_missed_lookup_never_duplicates_the_key() {
+        let Some((url, admin)) = admin().await else {
+            return;
         };
         for partitioned in [false, true] {
             let schema = format!("idem_unit_{}_{partitioned}", std::process::id());
@@ -472,5 +573,76 @@ mod tests {
                 .await
                 .expect("drop schema");
         }
+    }
+
+    /// `wait` across instances: a completion on one store reaches the waiters of
+    /// another store on the same database through `NOTIFY`, which the second relays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completions_reach_the_waiters_of_other_instances() {
+        use bytes::Bytes;
+        use http::{Method, Response, Uri};
+        use http_body_util::Full;
+
+        use crate::{HandlerFuture, IdempotencyKey, RequestIdentity, Tx};
+
+        fn done(_tx: Tx<'_, Postgres>) -> HandlerFuture<'_, Full<Bytes>> {
+            Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
+        }
+
+        let Some((url, admin)) = admin().await else {
+            return;
+        };
+        let schema = format!("idem_unit_{}_relay", std::process::id());
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+        )))
+        .execute(&admin)
+        .await
+        .expect("schema");
+        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.options([("search_path", schema.as_str())]))
+            .await
+            .expect("pool");
+        let first = Idempotency::new(pool.clone());
+        first.migrate().await.expect("migrate");
+        let second = Idempotency::new(pool.clone());
+        let (signals, stop) = second.inner.signals.watch_once().expect("first watch");
+        Postgres::idem_watch(&pool, signals, stop);
+        let mut heard = second.inner.signals.subscribe();
+
+        // The relay may not be listening yet when the first completion commits:
+        // complete keys until one is heard.
+        let waiting = Options::new().wait(std::time::Duration::from_secs(1));
+        let mut relayed = false;
+        for attempt in 0..40 {
+            let key = format!("k{attempt}");
+            let request = RequestIdentity::new(
+                IdempotencyKey::parse(key.as_bytes()).ok(),
+                "s",
+                &Method::POST,
+                &Uri::from_static("/p"),
+                b"body",
+            );
+            let response = first.execute(request, waiting, done).await;
+            assert_eq!(response.status(), 200);
+            let signal = signal_of("idempotency_keys", "s", &key);
+            let heard_it = tokio::time::timeout(std::time::Duration::from_millis(500), async {
+                while heard.recv().await != Ok(signal) {}
+            })
+            .await;
+            if heard_it.is_ok() {
+                relayed = true;
+                break;
+            }
+        }
+        assert!(relayed, "no completion of one store reached the other");
+        drop((first, second));
+        pool.close().await;
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .expect("drop schema");
     }
 }

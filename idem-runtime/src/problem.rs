@@ -27,8 +27,9 @@ pub enum Problem {
     MissingKey,
     /// 400: the `Idempotency-Key` header is malformed or repeated.
     InvalidKey,
-    /// 409: an earlier request with this key is still being executed. Carries
-    /// `Retry-After: 1`.
+    /// 409: an earlier request with this key is still being executed. The engine
+    /// sets `Retry-After` to the seconds left on the holder's lock (by then the key
+    /// is completed or free); [`to_response`](Self::to_response) alone sends 1.
     InFlight,
     /// 422: the key was first used with another method, path or body.
     PayloadMismatch,

@@ -7,6 +7,10 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 /// Marks a response that was replayed from the store rather than executed.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// On endpoints with [`Options::ttl_header`](crate::Options::ttl_header): how many
+/// seconds the key is kept, counted from its first request. Stored with the response.
+pub const IDEMPOTENCY_KEY_TTL: HeaderName = HeaderName::from_static("idempotency-key-ttl");
+
 /// Headers that describe one connection or one moment, not the result: never stored.
 fn is_stored(name: &HeaderName) -> bool {
     !matches!(

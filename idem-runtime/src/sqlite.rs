@@ -20,6 +20,7 @@ pub struct Sql {
     claim: Arc<str>,
     record: Arc<str>,
     release: Arc<str>,
+    lock_left: Arc<str>,
     sweep: Arc<str>,
 }
 
@@ -62,6 +63,11 @@ impl Store for Sqlite {
                     SELECT rowid FROM {table} \
                     WHERE state = 'completed' AND expires_at <= {NOW_MS} \
                     ORDER BY expires_at LIMIT ?1)"
+            )
+            .into(),
+            lock_left: format!(
+                "SELECT locked_until - {NOW_MS} FROM {table} \
+                 WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'processing'"
             )
             .into(),
             release: format!(
@@ -116,6 +122,7 @@ impl Store for Sqlite {
         id: &'c Identity<'c>,
         lease: i64,
         response: Recorded<'c>,
+        _announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
             .bind(id.scope)
@@ -127,6 +134,19 @@ impl Store for Sqlite {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn idem_lock_left(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        _lock_ms: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .fetch_optional(conn)
+            .await
     }
 
     async fn idem_finish(

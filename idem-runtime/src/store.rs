@@ -6,6 +6,7 @@ use std::sync::Arc;
 use sqlx::Pool;
 
 use crate::backend::Backend;
+use crate::signal::Signals;
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
@@ -46,6 +47,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) max_response_bytes: usize,
     pub(crate) partitioned: bool,
     pub(crate) sql: DB::IdemSql,
+    pub(crate) signals: Signals,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -223,6 +225,7 @@ impl<DB: Backend> Builder<DB> {
                 max_response_bytes: self.max_response_bytes,
                 partitioned: self.partitioned,
                 sql,
+                signals: Signals::new(),
             }),
         }
     }

@@ -107,6 +107,10 @@ async fn effect<H: Harness>(
     if let n @ 1.. = number(&headers, "x-ttl-ms") {
         options = options.ttl(Duration::from_millis(n));
     }
+    if let n @ 1.. = number(&headers, "x-wait-ms") {
+        options = options.wait(Duration::from_millis(n));
+    }
+    options = options.ttl_header(headers.contains_key("x-ttl-header"));
     let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
     let block = Duration::from_millis(number(&headers, "x-block-ms"));
     let big = usize::try_from(number(&headers, "x-big")).unwrap_or(0);

@@ -62,10 +62,27 @@ async fn await_completed<H: Harness>(h: &H, scope: &str, count: usize) {
     }
 }
 
-fn assert_in_flight(got: &Got) {
+/// 409 `in-flight`, with `Retry-After` whole seconds within the longest lock the
+/// suite gives (30 s); returns them.
+fn assert_in_flight(got: &Got) -> u64 {
     assert_eq!(got.status, 409, "{}", got.text());
     assert_eq!(got.problem().as_deref(), Some("in-flight"));
-    assert_eq!(got.header("retry-after"), Some("1"));
+    let seconds: u64 = got
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After in whole seconds");
+    assert!((1..=30).contains(&seconds), "Retry-After {seconds}");
+    seconds
+}
+
+/// 409 `in-flight` while a holder with a `lock_secs` lock has only just started:
+/// `Retry-After` is what is left of that lock, not a constant.
+fn assert_in_flight_for(got: &Got, lock_secs: u64) {
+    let seconds = assert_in_flight(got);
+    assert!(
+        seconds > lock_secs / 2 && seconds <= lock_secs,
+        "Retry-After {seconds} for a fresh {lock_secs} s lock"
+    );
 }
 
 /// I1, §4.1: of 50 identical requests released together, one executes; the other
@@ -101,7 +118,7 @@ async fn concurrent_duplicates_execute_once<H: Harness>() {
         "a duplicate waited for the executor: {early:?}"
     );
     for got in &early {
-        assert_in_flight(got);
+        assert_in_flight_for(got, 30);
     }
     let winner = requests.join_next().await.expect("task").expect("request");
     assert_eq!(winner.status, 201, "{}", winner.text());
@@ -142,7 +159,7 @@ async fn duplicates_in_flight_answer_at_once<H: Harness>() {
     app::open_gate(&key);
     let duplicates = duplicates.expect("a duplicate waited for the executor");
     for got in &duplicates {
-        assert_in_flight(got);
+        assert_in_flight_for(got, 20);
     }
     let first = first.await.expect("first request");
     assert_eq!(first.outcome, Some(Outcome::Executed));
@@ -150,6 +167,161 @@ async fn duplicates_in_flight_answer_at_once<H: Harness>() {
     assert_eq!(replay.outcome, Some(Outcome::Replayed));
     assert_eq!(replay.body, first.body);
     assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// `wait`: 50 duplicates released together while the first is held at a gate wait
+/// for it instead of answering 409, without holding database connections while
+/// they wait, and all answer its response: one execution, 50 identical 2xx.
+async fn waiting_duplicates_all_get_the_response<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let key = format!("k-wait-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY)
+        .header("x-wait-ms", 20_000)
+        .header("x-lock-ms", 25_000);
+    let first = {
+        let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(&key) {
+        assert!(Instant::now() < deadline, "first request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let duplicates = {
+        let app = app.clone();
+        let reqs = vec![req.clone(); 49];
+        tokio::spawn(async move { send_all(&app, reqs).await })
+    };
+    // Let every duplicate look once and settle into waiting.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Connections in use, at their fewest over a few samples: the executor's, and
+    // at most a look or two in progress. Had waiters kept theirs, the pool (smaller
+    // than 49) would stay full.
+    let pool = h.store().pool();
+    let mut fewest = u32::MAX;
+    for _ in 0..10 {
+        let in_use = pool.size() - u32::try_from(pool.num_idle()).unwrap_or(0);
+        fewest = fewest.min(in_use);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(
+        fewest <= 3,
+        "{fewest} connections held by waiting duplicates"
+    );
+    assert!(
+        !duplicates.is_finished(),
+        "duplicates answered before the first"
+    );
+    app::open_gate(&key);
+
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let duplicates = duplicates.await.expect("duplicates");
+    for got in &duplicates {
+        assert_eq!(got.status, 201, "{}", got.text());
+        assert_eq!(got.outcome, Some(Outcome::Replayed));
+        assert_eq!(got.body, first.body);
+        assert_eq!(got.header("location"), first.header("location"));
+    }
+    assert_eq!(h.effects("alice").await, 1, "one execution");
+    h.finish().await;
+}
+
+/// `wait` is a bound: a duplicate still waiting when it passes is answered 409,
+/// with `Retry-After` from what is left of the holder's lock.
+async fn waiting_ends_in_409_at_its_bound<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let key = format!("k-wait-bound-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY)
+        .header("x-wait-ms", 300)
+        .header("x-lock-ms", 20_000);
+    let first = {
+        let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(&key) {
+        assert!(Instant::now() < deadline, "first request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let waited = Instant::now();
+    let duplicate = send(&app, &req).await;
+    let waited = waited.elapsed();
+    app::open_gate(&key);
+    assert_in_flight_for(&duplicate, 20);
+    assert!(
+        waited >= Duration::from_millis(300),
+        "answered after {waited:?}"
+    );
+    let first = first.await.expect("first request");
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// `wait`, when the first execution fails: its work is rolled back and the key
+/// released, one waiting duplicate claims it and executes, the rest replay that.
+async fn waiting_duplicates_take_over_a_failed_first<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let key = format!("k-wait-fail-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY).header("x-wait-ms", 20_000);
+    let first = {
+        let req = req.clone().header("x-gate", &key).header("x-status", 500);
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(&key) {
+        assert!(Instant::now() < deadline, "first request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let duplicates = {
+        let app = app.clone();
+        let reqs = vec![req.clone(); 10];
+        tokio::spawn(async move { send_all(&app, reqs).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    app::open_gate(&key);
+
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, 500);
+    assert_eq!(first.outcome, Some(Outcome::Released));
+    let duplicates = duplicates.await.expect("duplicates");
+    let executed: Vec<_> = duplicates
+        .iter()
+        .filter(|g| g.outcome == Some(Outcome::Executed))
+        .collect();
+    assert_eq!(executed.len(), 1, "{duplicates:?}");
+    for got in &duplicates {
+        assert_eq!(got.status, 201, "{}", got.text());
+        assert_eq!(got.body, executed[0].body);
+    }
+    assert_eq!(h.effects("alice").await, 1, "the failed first left nothing");
+    h.finish().await;
+}
+
+/// `ttl_header`: the recorded response says how long its key is kept, and every
+/// replay repeats it; without the option no such header is sent.
+async fn ttl_header_is_recorded_and_replayed<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-ttl-header", BODY)
+        .header("x-ttl-ms", 3_600_000)
+        .header("x-ttl-header", 1);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotency-key-ttl"), Some("3600"));
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.header("idempotency-key-ttl"), Some("3600"));
+    let plain = send(&app, &Req::post("alice", "k-no-ttl-header", BODY)).await;
+    assert_eq!(plain.status, 201);
+    assert_eq!(plain.header("idempotency-key-ttl"), None);
     h.finish().await;
 }
 
@@ -382,7 +554,9 @@ async fn stale_claim_is_taken_over_once<H: Harness>() {
     for g in &got {
         match g.status {
             201 => assert_eq!(g.body, took[0].body),
-            _ => assert_in_flight(g),
+            _ => {
+                assert_in_flight(g);
+            }
         }
     }
     assert_eq!(h.effects("alice").await, 1);
@@ -765,7 +939,9 @@ async fn partitioned_claims_race_across_day_boundaries() {
         for g in &got {
             match g.status {
                 201 => assert_eq!(g.body, created[0].body, "round {round}"),
-                _ => assert_in_flight(g),
+                _ => {
+                    assert_in_flight(g);
+                }
             }
         }
         let rows = h.key_rows("alice").await;
@@ -891,6 +1067,10 @@ macro_rules! conformance {
 conformance!(
     concurrent_duplicates_execute_once,
     duplicates_in_flight_answer_at_once,
+    waiting_duplicates_all_get_the_response,
+    waiting_ends_in_409_at_its_bound,
+    waiting_duplicates_take_over_a_failed_first,
+    ttl_header_is_recorded_and_replayed,
     replay_is_byte_identical_without_cookies,
     mismatch_is_refused_and_record_untouched,
     scopes_are_isolated,

@@ -225,6 +225,8 @@ pub use idem_runtime::{
 pub use idem_runtime::Partitions;
 #[cfg(feature = "axum")]
 pub use idem_runtime::axum;
+#[cfg(feature = "client")]
+pub use idem_runtime::client;
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]

@@ -783,12 +783,17 @@ async fn rollback<DB: Database>(tx: Transaction<'_, DB>) -> bool {
 /// A fresh lease token. Random, not a counter: a row deleted and claimed again must
 /// never hand an old executor's token to a new one.
 fn new_lease() -> i64 {
-    let bits = getrandom::u64().unwrap_or_else(|_| {
+    i64::from_ne_bytes(random_u64().to_ne_bytes())
+}
+
+/// 64 random bits from the operating system, or, where it fails, from std's
+/// randomly keyed hasher over the time.
+pub(crate) fn random_u64() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
         use std::hash::{BuildHasher, RandomState};
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         RandomState::new().hash_one(nanos)
-    });
-    i64::from_ne_bytes(bits.to_ne_bytes())
+    })
 }

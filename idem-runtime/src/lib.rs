@@ -8,6 +8,8 @@ mod admin;
 #[cfg(feature = "axum")]
 pub mod axum;
 mod backend;
+#[cfg(feature = "client")]
+pub mod client;
 mod engine;
 mod key;
 mod options;

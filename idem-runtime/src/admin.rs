@@ -117,6 +117,7 @@ impl<DB: Backend> Idempotency<DB> {
 }
 
 /// Runs a backend's inspection query with its text parameters and decodes the rows.
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
 pub(crate) async fn fetch<DB>(
     conn: &mut DB::Connection,
     sql: String,
@@ -144,6 +145,7 @@ where
 /// Decodes the columns every backend's inspection query selects, in one shape:
 /// `scope`, `idempotency_key`, `state`, `method`, `path` as text, `status` and the
 /// three `*_ms` as 64-bit integers, `headers` and `body` as bytes (empty if none).
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
 fn decode<R>(row: &R) -> Result<KeyRecord, sqlx::Error>
 where
     R: sqlx::Row,
@@ -174,6 +176,7 @@ impl Query<'_> {
     /// The `WHERE` clause (with `placeholder(n)` for the n-th parameter and `now`
     /// for the database clock), the row limit, whether stored responses are read,
     /// and the parameters in order.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn parts(
         &self,
         placeholder: impl Fn(usize) -> String,

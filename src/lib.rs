@@ -98,6 +98,23 @@
 //!
 //! [`Backend`] describes how each keeps the contract and what that costs, measured.
 //!
+//! # Retries
+//!
+//! The policy, on both ends of the wire:
+//!
+//! - A duplicate of an in-flight request is answered 409 `in-flight` with
+//!   `Retry-After` set to the whole seconds left on the first request's `lock` (at
+//!   least 1): by then that request has completed, or failed and freed the key, so
+//!   the retry is answered for good. With `wait = "5s"` the duplicate first waits up
+//!   to that long for the first request, holding no database connection, and then
+//!   answers its response as a replay (see [`Options::wait`]).
+//! - With `ttl_header = true`, recorded responses carry [`IDEMPOTENCY_KEY_TTL`]
+//!   (`Idempotency-Key-TTL: 86400`): how long the key is kept, counted from its first
+//!   request. The IETF draft has no such header yet; it is stored with the response,
+//!   so replays repeat it byte for byte.
+//! - The client side: with feature `client`, `idem::client::RetryLayer` wraps any tower
+//!   HTTP client so that each logical request gets one key for all its attempts and
+//!   is retried on connection errors, 409 and 5xx, never on other 4xx.
 //!
 //! # Using it by hand
 //!

@@ -1,0 +1,168 @@
+//! How soon a duplicate that `wait`s gets its answer once the first request is done.
+//!
+//! ```text
+//! cargo bench --bench wait           # 10 rounds per backend
+//! cargo bench --bench wait -- 50     # 50 rounds
+//! ```
+//!
+//! Each round: a first request whose handler takes 100 ms, and 49 duplicates sent
+//! 20 ms later with `wait = "5s"`. Reported: how long after the first answered each
+//! duplicate answered (p50, p99, max), and that all 50 got the same 2xx. Servers
+//! are found as in the test suite (`IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL`);
+//! an unreachable one is skipped.
+
+#![allow(missing_docs)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use idem::{Backend, HandlerFuture, Idempotency, Options, Tx};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, MySql, Postgres, Sqlite};
+
+use common::identity;
+
+const DUPLICATES: usize = 49;
+
+fn slow<DB: Backend>(_tx: Tx<'_, DB>) -> HandlerFuture<'_, Full<Bytes>> {
+    Box::pin(async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        common::ok_response()
+    })
+}
+
+async fn rounds<DB: Backend>(backend: &str, store: Idempotency<DB>, rounds: usize) {
+    let options = Options::new().wait(Duration::from_secs(5));
+    let mut after = Vec::new();
+    for round in 0..rounds {
+        let key = format!("wait-{round}");
+        let first = {
+            let (store, request) = (store.clone(), identity(&key));
+            tokio::spawn(async move {
+                let response = store.execute(request, options, slow::<DB>).await;
+                (response, Instant::now())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let duplicates: Vec<_> = (0..DUPLICATES)
+            .map(|_| {
+                let (store, request) = (store.clone(), identity(&key));
+                tokio::spawn(async move {
+                    let response = store.execute(request, options, slow::<DB>).await;
+                    (response, Instant::now())
+                })
+            })
+            .collect();
+        let (first, done) = first.await.expect("first");
+        assert_eq!(first.status(), 201, "{backend}: the first");
+        for duplicate in duplicates {
+            let (response, at) = duplicate.await.expect("duplicate");
+            assert_eq!(response.status(), 201, "{backend}: a duplicate");
+            assert_eq!(response.body(), first.body(), "{backend}: the same answer");
+            after.push(at.saturating_duration_since(done));
+        }
+    }
+    after.sort();
+    let pick = |q: f64| after[((after.len() as f64 * q) as usize).min(after.len() - 1)];
+    println!(
+        "| {backend} | {} | {:.2} | {:.2} | {:.2} |",
+        after.len(),
+        pick(0.5).as_secs_f64() * 1e3,
+        pick(0.99).as_secs_f64() * 1e3,
+        pick(1.0).as_secs_f64() * 1e3,
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let count = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(10);
+    println!("\n{count} rounds of 1 first request (100 ms) + {DUPLICATES} waiting duplicates\n");
+    println!("| backend | duplicates | p50 ms after the first | p99 ms | max ms |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+
+    let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let options: PgConnectOptions = url.parse().expect("postgres url");
+    let schema = format!("idem_bench_wait_{}", std::process::id());
+    match PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+    {
+        Ok(admin) => {
+            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+                .execute(&admin)
+                .await
+                .expect("schema");
+            let pool = PgPoolOptions::new()
+                .max_connections(8)
+                .connect_with(options.options([("search_path", schema.as_str())]))
+                .await
+                .expect("pool");
+            let store = common::prepare::<Postgres>(&pool, "BIGSERIAL PRIMARY KEY").await;
+            rounds("postgres", store, count).await;
+            pool.close().await;
+            let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                .execute(&admin)
+                .await;
+        }
+        Err(error) => eprintln!("PostgreSQL not reachable at {url} ({error}): skipped"),
+    }
+
+    let url = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let options: MySqlConnectOptions = url.parse().expect("mysql url");
+    match MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+    {
+        Ok(admin) => {
+            sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {schema}")))
+                .execute(&admin)
+                .await
+                .expect("database");
+            let pool = MySqlPoolOptions::new()
+                .max_connections(8)
+                .connect_with(options.database(&schema))
+                .await
+                .expect("pool");
+            let store = common::prepare::<MySql>(&pool, "BIGINT AUTO_INCREMENT PRIMARY KEY").await;
+            rounds("mysql", store, count).await;
+            pool.close().await;
+            let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {schema}")))
+                .execute(&admin)
+                .await;
+        }
+        Err(error) => eprintln!("MySQL/MariaDB not reachable at {url} ({error}): skipped"),
+    }
+
+    let path = std::env::temp_dir().join(format!("{schema}.db"));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(30)),
+        )
+        .await
+        .expect("sqlite");
+    let store = common::prepare::<Sqlite>(&pool, "INTEGER PRIMARY KEY AUTOINCREMENT").await;
+    rounds("sqlite", store, count).await;
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}

@@ -78,7 +78,10 @@ impl Options {
     /// A waiting duplicate holds no database connection. It is woken as soon as an
     /// executor of this endpoint finishes on the same instance, or, on PostgreSQL,
     /// on any instance (`LISTEN`/`NOTIFY`); otherwise it looks again after 25 ms,
-    /// then at doubling intervals of at most 500 ms. Zero (the default) never waits.
+    /// then at doubling intervals of at most 500 ms. On PostgreSQL the first wait
+    /// starts a listener that keeps one of the pool's connections for as long as
+    /// the store lives, and executors of waiting endpoints send one `NOTIFY` in
+    /// their recording statement. Zero (the default) never waits.
     #[must_use]
     pub const fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;

@@ -7,7 +7,6 @@ use std::pin::pin;
 use std::sync::Arc;
 
 use futures_util::future::{Either, select};
-
 use sqlx::postgres::{PgListener, PgPool};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row as _, Transaction};
 use tokio::sync::broadcast::WeakSender;

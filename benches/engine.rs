@@ -25,7 +25,6 @@ use std::time::Duration;
 use idem::{Backend, Idempotency, Options, Outcome};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 mod common;
@@ -266,17 +265,7 @@ async fn mysql(settings: &Settings, rows: &mut Vec<Row>) {
 
 async fn sqlite(settings: &Settings, rows: &mut Vec<Row>) {
     let path = std::env::temp_dir().join(format!("idem_bench_{}.db", std::process::id()));
-    let pool: Pool<Sqlite> = SqlitePoolOptions::new()
-        .max_connections(8)
-        .connect_with(
-            SqliteConnectOptions::new()
-                .filename(&path)
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal)
-                .busy_timeout(Duration::from_secs(30)),
-        )
-        .await
-        .expect("sqlite");
+    let pool: Pool<Sqlite> = common::sqlite_pool(&path).await;
     let store = prepare(&pool, "INTEGER PRIMARY KEY AUTOINCREMENT").await;
 
     bare(settings, "sqlite", pool.clone(), rows).await;
@@ -292,11 +281,7 @@ async fn sqlite(settings: &Settings, rows: &mut Vec<Row>) {
         .await;
     }
     pool.close().await;
-    for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.clone().into_os_string();
-        file.push(suffix);
-        let _ = std::fs::remove_file(file);
-    }
+    common::remove_sqlite(&path);
 }
 
 fn main() {

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use idem::{Backend, Idempotency, Options, Outcome, Sweep};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Pool, Postgres, Sqlite};
 
 mod common;
@@ -341,17 +340,7 @@ fn main() {
         }
 
         let path = std::env::temp_dir().join(format!("idem_retention_{id}.db"));
-        let pool: Pool<Sqlite> = SqlitePoolOptions::new()
-            .max_connections(8)
-            .connect_with(
-                SqliteConnectOptions::new()
-                    .filename(&path)
-                    .create_if_missing(true)
-                    .journal_mode(SqliteJournalMode::Wal)
-                    .busy_timeout(Duration::from_secs(30)),
-            )
-            .await
-            .expect("sqlite");
+        let pool: Pool<Sqlite> = common::sqlite_pool(&path).await;
         reports.push(
             run(
                 &settings,
@@ -363,11 +352,7 @@ fn main() {
             .await,
         );
         pool.close().await;
-        for suffix in ["", "-wal", "-shm"] {
-            let mut file = path.clone().into_os_string();
-            file.push(suffix);
-            let _ = std::fs::remove_file(file);
-        }
+        common::remove_sqlite(&path);
         reports
     });
 

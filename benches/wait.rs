@@ -27,7 +27,6 @@ use http_body_util::Full;
 use idem::{Backend, HandlerFuture, Idempotency, Options, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Postgres, Sqlite};
 
 use common::identity;
@@ -211,25 +210,11 @@ async fn main() {
     }
 
     let path = std::env::temp_dir().join(format!("{schema}.db"));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(8)
-        .connect_with(
-            SqliteConnectOptions::new()
-                .filename(&path)
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal)
-                .busy_timeout(Duration::from_secs(30)),
-        )
-        .await
-        .expect("sqlite");
+    let pool = common::sqlite_pool(&path).await;
     let store = common::prepare::<Sqlite>(&pool, "INTEGER PRIMARY KEY AUTOINCREMENT").await;
     rounds("sqlite", store, count, &mut in_flight).await;
     pool.close().await;
-    for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.clone().into_os_string();
-        file.push(suffix);
-        let _ = std::fs::remove_file(file);
-    }
+    common::remove_sqlite(&path);
     println!("\n16 callers sending duplicates of a held key, 2 s, no wait\n");
     println!("| backend | 409 answers/s | p50 ms | p99 ms |");
     println!("| --- | ---: | ---: | ---: |");

@@ -75,6 +75,31 @@ pub fn identity(key: &str) -> RequestIdentity {
     RequestIdentity::new(key, "bench", &Method::POST, &uri, br#"{"amount":1}"#)
 }
 
+/// A WAL-mode SQLite file pool, created if missing, as the benches use it.
+pub async fn sqlite_pool(path: &std::path::Path) -> Pool<sqlx::Sqlite> {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(30)),
+        )
+        .await
+        .expect("sqlite")
+}
+
+/// Removes a SQLite database file and its WAL companions.
+pub fn remove_sqlite(path: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.to_owned().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
 /// The business write every variant makes.
 pub const INSERT: &str = "INSERT INTO effects (note) VALUES ('x')";
 

@@ -496,6 +496,22 @@ mod tests {
         }
     }
 
+    /// A pool on a fresh `schema` (dropped first if a failed run left it).
+    async fn schema_pool(url: &str, admin: &PgPool, schema: &str) -> PgPool {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+        )))
+        .execute(admin)
+        .await
+        .expect("schema");
+        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.options([("search_path", schema)]))
+            .await
+            .expect("pool")
+    }
+
     #[tokio::test]
     async fn a_claim_after_a_missed_lookup_never_duplicates_the_key() {
         let Some((url, admin)) = admin().await else {
@@ -503,18 +519,7 @@ mod tests {
         };
         for partitioned in [false, true] {
             let schema = format!("idem_unit_{}_{partitioned}", std::process::id());
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-            )))
-            .execute(&admin)
-            .await
-            .expect("schema");
-            let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .connect_with(options.options([("search_path", schema.as_str())]))
-                .await
-                .expect("pool");
+            let pool = schema_pool(&url, &admin, &schema).await;
             let mut builder = Idempotency::builder(pool.clone());
             if partitioned {
                 builder = builder.partitioned_by_day();
@@ -592,18 +597,7 @@ mod tests {
             return;
         };
         let schema = format!("idem_unit_{}_relay", std::process::id());
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-        )))
-        .execute(&admin)
-        .await
-        .expect("schema");
-        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(options.options([("search_path", schema.as_str())]))
-            .await
-            .expect("pool");
+        let pool = schema_pool(&url, &admin, &schema).await;
         let first = Idempotency::new(pool.clone());
         first.migrate().await.expect("migrate");
         let second = Idempotency::new(pool.clone());

@@ -49,6 +49,18 @@ async fn send_all(app: &axum::Router, reqs: Vec<Req>) -> Vec<Got> {
     out
 }
 
+/// Waits until the handler of `key` has started (its claim is held).
+async fn await_started(key: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !app::started(key) {
+        assert!(
+            Instant::now() < deadline,
+            "the handler of {key} never started"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// Waits until `scope` holds `count` completed keys; fails if claims stay stuck.
 async fn await_completed<H: Harness>(h: &H, scope: &str, count: usize) {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -146,11 +158,7 @@ async fn duplicates_in_flight_answer_at_once<H: Harness>() {
         let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
         tokio::spawn(async move { send(&app, &req).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !app::started(&key) {
-        assert!(Instant::now() < deadline, "first request never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    await_started(&key).await;
     let duplicates = tokio::time::timeout(
         Duration::from_secs(10),
         send_all(&app, vec![req.clone(); 30]),
@@ -184,11 +192,7 @@ async fn waiting_duplicates_all_get_the_response<H: Harness>() {
         let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
         tokio::spawn(async move { send(&app, &req).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !app::started(&key) {
-        assert!(Instant::now() < deadline, "first request never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    await_started(&key).await;
     let duplicates = {
         let app = app.clone();
         let reqs = vec![req.clone(); 49];
@@ -243,11 +247,7 @@ async fn waiting_ends_in_409_at_its_bound<H: Harness>() {
         let (app, req) = (app.clone(), req.clone().header("x-gate", &key));
         tokio::spawn(async move { send(&app, &req).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !app::started(&key) {
-        assert!(Instant::now() < deadline, "first request never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    await_started(&key).await;
     let waited = Instant::now();
     let duplicate = send(&app, &req).await;
     let waited = waited.elapsed();
@@ -275,11 +275,7 @@ async fn waiting_duplicates_take_over_a_failed_first<H: Harness>() {
         let app = app.clone();
         tokio::spawn(async move { send(&app, &req).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !app::started(&key) {
-        assert!(Instant::now() < deadline, "first request never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    await_started(&key).await;
     let duplicates = {
         let app = app.clone();
         let reqs = vec![req.clone(); 10];
@@ -647,11 +643,7 @@ async fn dropped_callers_still_complete<H: Harness>() {
         let req = Req::post("alice", key, BODY).header("x-sleep-ms", 100 + 50 * i);
         let app2 = app.clone();
         let task = tokio::spawn(async move { send(&app2, &req).await });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !app::started(key) {
-            assert!(Instant::now() < deadline, "handler never started");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        await_started(key).await;
         task.abort();
         assert!(
             task.await.is_err_and(|e| e.is_cancelled()),
@@ -858,11 +850,7 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
         let app = app.clone();
         tokio::spawn(async move { send(&app, &req).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !app::started(&gate) {
-        assert!(Instant::now() < deadline, "the gated request never started");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    await_started(&gate).await;
 
     let store = h.store();
     let listed = |claims: Vec<idem::KeyRecord>| {

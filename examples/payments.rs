@@ -11,6 +11,10 @@
 //! at start; for `demo`, a scratch SQLite file), `BIND` (default `127.0.0.1:3000`;
 //! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25).
 //!
+//! `FAULT_ABORT_AFTER_COMMIT=<key>` is for the fault suite (`tests/faults`): the
+//! process dies right after the payment under that `Idempotency-Key` commits, before
+//! its response is written.
+//!
 //! `demo` serves the API behind a flaky proxy (it refuses some requests with 503 and
 //! loses the responses of some completed payments as 502) and sends it a storm of
 //! payments through the retrying client, each payment sent several times at once
@@ -139,6 +143,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .into());
     };
 
+    let app = if std::env::var_os("FAULT_ABORT_AFTER_COMMIT").is_some() {
+        app.layer(axum::middleware::from_fn(abort_after_commit))
+    } else {
+        app
+    };
     if demo.is_some() {
         println!("payments demo on {backend}");
         return demo::run(listener, app).await;
@@ -151,6 +160,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("  curl -s http://{addr}/payments -H 'Authorization: Bearer alice'");
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+/// Fault injection: dies once the payment keyed `FAULT_ABORT_AFTER_COMMIT` has
+/// committed, before answering: the narrow window in which only the stored record
+/// can tell the client's retry what happened.
+async fn abort_after_commit(request: Request, next: axum::middleware::Next) -> Response {
+    let target = std::env::var("FAULT_ABORT_AFTER_COMMIT").ok();
+    let key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let response = next.run(request).await;
+    let executed = matches!(
+        response.extensions().get::<idem::Outcome>(),
+        Some(idem::Outcome::Executed | idem::Outcome::TakenOver)
+    );
+    if executed && key.is_some() && key == target {
+        eprintln!("payments: FAULT_ABORT_AFTER_COMMIT: dying before answering");
+        std::process::abort();
+    }
+    response
 }
 
 async fn sqlite_pool(

@@ -3,40 +3,17 @@
 
 #![allow(missing_docs)]
 
+#[path = "support/example.rs"]
+mod example;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::sync::Barrier;
-
-/// The example binary, (re)built once per run: `cargo test --test payments` alone
-/// would otherwise find a stale one, or none.
-fn example_binary() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let exe = std::env::current_exe().expect("test exe");
-            let profile_dir = exe
-                .parent()
-                .and_then(|deps| deps.parent())
-                .expect("target dir");
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            build
-                .args(["build", "--example", "payments"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"));
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build");
-            assert!(status.success(), "building the payments example failed");
-            profile_dir.join("examples").join("payments")
-        })
-        .clone()
-}
 
 struct Server {
     child: Child,
@@ -55,7 +32,7 @@ async fn start(database_url: &str, dir: &std::path::Path) -> Server {
         let url = database_url.to_owned();
         let dir = dir.to_owned();
         move || {
-            Command::new(example_binary())
+            Command::new(example::binary())
                 .env("DATABASE_URL", url)
                 .env("BIND", "127.0.0.1:0")
                 .env("PROVIDER_LATENCY_MS", "150")
@@ -377,7 +354,7 @@ async fn payments_example_on_sqlite_default() {
 /// `payments demo` (on `url`, or its own scratch SQLite file): every logical payment
 /// charged once, and said so on stdout. Returns the demo's process id.
 async fn demo(url: Option<&str>, dir: &std::path::Path) -> u32 {
-    let mut command = tokio::process::Command::new(example_binary());
+    let mut command = tokio::process::Command::new(example::binary());
     command
         .arg("demo")
         .current_dir(dir)

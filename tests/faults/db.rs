@@ -1,0 +1,176 @@
+//! One fresh database per scenario and backend, and the faults the suite injects
+//! into the database itself.
+
+use std::path::PathBuf;
+
+use sqlx::{AssertSqlSafe, MySqlPool, PgPool};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    MySql,
+    Sqlite,
+}
+
+impl Backend {
+    pub const ALL: [Self; 3] = [Self::Postgres, Self::MySql, Self::Sqlite];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::MySql => "mysql",
+            Self::Sqlite => "sqlite",
+        }
+    }
+}
+
+/// A database of its own, dropped by [`Fresh::drop_all`].
+pub struct Fresh {
+    pub backend: Backend,
+    pub url: String,
+    admin: Admin,
+    name: String,
+}
+
+enum Admin {
+    Postgres(PgPool),
+    MySql(MySqlPool),
+    Sqlite(PathBuf),
+}
+
+fn server_url(env: &str, fallback: &str) -> String {
+    std::env::var(env).unwrap_or_else(|_| fallback.to_owned())
+}
+
+fn with_database(base: &str, database: &str) -> String {
+    match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
+impl Fresh {
+    /// `Err` when the server cannot be reached (the caller reports it).
+    pub async fn new(backend: Backend, tag: &str) -> Result<Self, String> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() % 1_000_000_000);
+        let name = format!("idem_faults_{}_{tag}_{nanos}", std::process::id());
+        match backend {
+            Backend::Postgres => {
+                let base = server_url(
+                    "IDEM_TEST_POSTGRES_URL",
+                    "postgres://postgres@127.0.0.1:5432/postgres",
+                );
+                let admin = PgPool::connect(&base)
+                    .await
+                    .map_err(|e| format!("PostgreSQL not reachable at {base}: {e}"))?;
+                sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&admin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(Self {
+                    backend,
+                    url: with_database(&base, &name),
+                    admin: Admin::Postgres(admin),
+                    name,
+                })
+            }
+            Backend::MySql => {
+                let base = server_url("IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
+                let admin = MySqlPool::connect(&base)
+                    .await
+                    .map_err(|e| format!("MySQL/MariaDB not reachable at {base}: {e}"))?;
+                sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&admin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(Self {
+                    backend,
+                    url: with_database(&base, &name),
+                    admin: Admin::MySql(admin),
+                    name,
+                })
+            }
+            Backend::Sqlite => {
+                let path = std::env::temp_dir().join(format!("{name}.db"));
+                Ok(Self {
+                    backend,
+                    url: format!("sqlite://{}", path.display()),
+                    admin: Admin::Sqlite(path),
+                    name,
+                })
+            }
+        }
+    }
+
+    /// Ends, from outside, every session of this database that sits in an open
+    /// transaction; returns how many. SQLite has no sessions to end: `None`.
+    pub async fn kill_open_transactions(&self) -> Option<u64> {
+        match &self.admin {
+            Admin::Postgres(admin) => {
+                let killed: Vec<bool> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE datname = $1 AND state LIKE 'idle in transaction%'",
+                )
+                .bind(&self.name)
+                .fetch_all(admin)
+                .await
+                .ok()?;
+                Some(killed.len() as u64)
+            }
+            Admin::MySql(admin) => {
+                let ids: Vec<i64> = sqlx::query_scalar(
+                    "SELECT CAST(p.ID AS SIGNED) FROM information_schema.PROCESSLIST p \
+                     JOIN information_schema.INNODB_TRX t ON t.trx_mysql_thread_id = p.ID \
+                     WHERE p.DB = ?",
+                )
+                .bind(&self.name)
+                .fetch_all(admin)
+                .await
+                .ok()?;
+                let mut killed = 0;
+                for id in ids {
+                    if sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
+                        .execute(admin)
+                        .await
+                        .is_ok()
+                    {
+                        killed += 1;
+                    }
+                }
+                Some(killed)
+            }
+            Admin::Sqlite(_) => None,
+        }
+    }
+
+    pub async fn drop_all(self) {
+        match self.admin {
+            Admin::Postgres(admin) => {
+                let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+                let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(&admin).await;
+                admin.close().await;
+            }
+            Admin::MySql(admin) => {
+                let drop = format!("DROP DATABASE IF EXISTS {}", self.name);
+                let _ = sqlx::raw_sql(AssertSqlSafe(drop)).execute(&admin).await;
+                admin.close().await;
+            }
+            Admin::Sqlite(path) => {
+                for suffix in [
+                    "",
+                    "-wal",
+                    "-shm",
+                    "-provider",
+                    "-provider-wal",
+                    "-provider-shm",
+                ] {
+                    let mut file = path.clone().into_os_string();
+                    file.push(suffix);
+                    let _ = std::fs::remove_file(file);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! The fault suite: the invariants under crashes, hangs and database faults, with
+//! real processes and real databases.
+//!
+//! ```text
+//! cargo test --test faults                    # the bounded form CI runs
+//! IDEM_FAULTS=full cargo test --test faults   # more keys, longer storms
+//! IDEM_FAULTS_ONLY=hang cargo test --test faults   # one scenario: crash, hang,
+//!                                                  # killed, pool or storm
+//! ```
+//!
+//! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
+//! its own, and fills one row of the table printed at the end: requests sent (every
+//! attempt counted), business effects, provider charges, double effects. The run
+//! fails on any double effect, lost record or unexpected answer. A server that
+//! cannot be reached is SKIPPED, except under `CI=true`, where that fails too.
+
+#![allow(missing_docs, unreachable_pub)]
+
+#[path = "../support/example.rs"]
+mod example;
+
+mod db;
+mod proc;
+mod scenarios;
+mod server;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use db::{Backend, Fresh};
+use scenarios::{Row, Scale};
+
+fn main() -> ExitCode {
+    if std::env::var_os(server::ROLE).is_some() {
+        return server::main();
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("faults: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run())
+}
+
+#[derive(Clone, Copy)]
+enum Scenario {
+    Crash,
+    Hang,
+    SessionKilled,
+    PoolExhausted,
+    TwoInstances,
+}
+
+impl Scenario {
+    fn tag(self) -> &'static str {
+        match self {
+            Self::Crash => "crash",
+            Self::Hang => "hang",
+            Self::SessionKilled => "killed",
+            Self::PoolExhausted => "pool",
+            Self::TwoInstances => "storm",
+        }
+    }
+}
+
+async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<Row> {
+    let db = match Fresh::new(backend, scenario.tag()).await {
+        Ok(db) => db,
+        Err(error) => {
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+            if ci {
+                let mut row = Row::new("setup", backend);
+                row.problems.push(error);
+                return Some(row);
+            }
+            eprintln!(
+                "SKIPPED {}: {error}; CI=true makes this a failure",
+                backend.name()
+            );
+            return None;
+        }
+    };
+    let row = match scenario {
+        Scenario::Crash => scenarios::crash(&db, scale).await,
+        Scenario::Hang => scenarios::hang(&db).await,
+        Scenario::SessionKilled => scenarios::session_killed(&db).await,
+        Scenario::PoolExhausted => scenarios::pool_exhausted(&db).await,
+        Scenario::TwoInstances => scenarios::two_instances(&db, scale).await,
+    };
+    db.drop_all().await;
+    Some(row)
+}
+
+async fn run() -> ExitCode {
+    let scale = Scale::from_env();
+    let only = std::env::var("IDEM_FAULTS_ONLY").ok();
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    for scenario in [
+        Scenario::Crash,
+        Scenario::Hang,
+        Scenario::SessionKilled,
+        Scenario::PoolExhausted,
+        Scenario::TwoInstances,
+    ] {
+        if only.as_deref().is_some_and(|only| only != scenario.tag()) {
+            continue;
+        }
+        for backend in Backend::ALL {
+            let began = Instant::now();
+            if let Some(row) = run_one(scenario, backend, &scale).await {
+                eprintln!(
+                    "{} on {}: {} in {:.1} s",
+                    row.scenario,
+                    backend.name(),
+                    if row.problems.is_empty() {
+                        "ok"
+                    } else {
+                        "FAILED"
+                    },
+                    began.elapsed().as_secs_f64()
+                );
+                rows.push(row);
+            }
+        }
+    }
+
+    println!(
+        "\n| scenario | backend | requests | effects | charges | double effects | result | note |"
+    );
+    println!("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |");
+    for row in &rows {
+        let result = if row.problems.is_empty() {
+            "ok"
+        } else {
+            "FAILED"
+        };
+        let charges = row.charges.map_or("-".to_owned(), |c| c.to_string());
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            row.scenario,
+            row.backend.name(),
+            row.requests,
+            row.effects,
+            charges,
+            row.doubles,
+            result,
+            row.note
+        );
+    }
+    println!(
+        "\n{} rows in {:.0} s",
+        rows.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut failed = false;
+    for row in &rows {
+        for problem in &row.problems {
+            failed = true;
+            println!(
+                "FAILED {} on {}: {problem}",
+                row.scenario,
+                row.backend.name()
+            );
+        }
+        if row.doubles > 0 {
+            failed = true;
+            println!(
+                "FAILED {} on {}: {} double effects",
+                row.scenario,
+                row.backend.name(),
+                row.doubles
+            );
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

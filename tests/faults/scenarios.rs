@@ -1,0 +1,530 @@
+//! The scenarios: each runs against one backend and fills one row of the table.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::db::{Backend, Fresh};
+use crate::proc::{Answer, Proc, client, get_json, post};
+
+/// How big a run is: `IDEM_FAULTS=full` for the long form.
+pub struct Scale {
+    pub crash_keys: u64,
+    pub storm_keys: u64,
+    pub storm_duplicates: u64,
+}
+
+impl Scale {
+    pub fn from_env() -> Self {
+        if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
+            Self {
+                crash_keys: 120,
+                storm_keys: 1000,
+                storm_duplicates: 10,
+            }
+        } else {
+            Self {
+                crash_keys: 24,
+                storm_keys: 200,
+                storm_duplicates: 10,
+            }
+        }
+    }
+}
+
+/// One line of the table.
+pub struct Row {
+    pub scenario: &'static str,
+    pub backend: Backend,
+    pub requests: u64,
+    pub effects: u64,
+    pub charges: Option<u64>,
+    pub doubles: u64,
+    pub problems: Vec<String>,
+    pub note: String,
+}
+
+impl Row {
+    pub fn new(scenario: &'static str, backend: Backend) -> Self {
+        Self {
+            scenario,
+            backend,
+            requests: 0,
+            effects: 0,
+            charges: None,
+            doubles: 0,
+            problems: Vec::new(),
+            note: String::new(),
+        }
+    }
+
+    fn check(&mut self, ok: bool, problem: impl FnOnce() -> String) {
+        if !ok {
+            self.problems.push(problem());
+        }
+    }
+
+    fn expect_effects(&mut self, expected: u64) {
+        let effects = self.effects;
+        self.check(effects == expected, || {
+            format!("{effects} effects, expected {expected}")
+        });
+    }
+
+    fn failed(mut self, problem: String) -> Self {
+        self.problems.push(problem);
+        self
+    }
+}
+
+fn is_problem_json(answer: &Answer) -> bool {
+    answer
+        .content_type
+        .as_deref()
+        .is_some_and(|t| t.starts_with("application/problem+json"))
+}
+
+// ---------------------------------------------------------------------------------
+// The payments example, killed
+
+fn payment(i: u64) -> (String, String, String) {
+    let user = format!("crash-u{}", i % 4);
+    let key = format!("crash-{i}");
+    let body = format!(
+        r#"{{"amount": {}, "currency": "JPY", "to": "shop"}}"#,
+        100 + i
+    );
+    (user, key, body)
+}
+
+fn pay_headers(user: &str, key: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("authorization", format!("Bearer {user}")),
+        ("idempotency-key", key.to_owned()),
+        ("content-type", "application/json".to_owned()),
+    ]
+}
+
+/// Scenario 1: The payments example killed with SIGKILL while its handlers are inside their
+/// transactions and their provider calls are in flight; killed again in the narrow
+/// window after a commit and before the response; restarted; every client retries
+/// with its key. Exactly one payment and one charge per key, balances consistent,
+/// and the narrow window's retry is a replay.
+pub async fn crash(db: &Fresh, scale: &Scale) -> Row {
+    let mut row = Row::new("crash (SIGKILL, payments example)", db.backend);
+    let once = client(1);
+
+    let mut app = match Proc::payments(&db.url, 400, &[]).await {
+        Ok(app) => app,
+        Err(error) => return row.failed(error),
+    };
+    let mut in_flight = JoinSet::new();
+    for i in 0..scale.crash_keys {
+        let (user, key, body) = payment(i);
+        let (once, addr) = (once.clone(), app.addr.clone());
+        in_flight.spawn(async move {
+            post(&once, &addr, "/payments", &pay_headers(&user, &key), body).await
+        });
+    }
+    // Inside their transactions, waiting for the provider (which already charged).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    app.kill();
+    let mut before = 0;
+    while let Some(sent) = in_flight.join_next().await {
+        row.requests += 1;
+        if matches!(sent, Ok(Ok(ref a)) if a.status == 201) {
+            before += 1;
+        }
+    }
+
+    // The narrow window: committed, then dead before answering.
+    let (user, _, body) = payment(0);
+    let narrow_key = "crash-narrow";
+    let mut narrow =
+        match Proc::payments(&db.url, 0, &[("FAULT_ABORT_AFTER_COMMIT", narrow_key)]).await {
+            Ok(narrow) => narrow,
+            Err(error) => return row.failed(error),
+        };
+    let lost = post(
+        &once,
+        &narrow.addr,
+        "/payments",
+        &pay_headers(&user, narrow_key),
+        body.clone(),
+    )
+    .await;
+    row.requests += 1;
+    row.check(lost.is_err(), || {
+        format!("the dying process answered: {lost:?}")
+    });
+    for _ in 0..100 {
+        if narrow.exited() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    row.check(narrow.exited(), || {
+        "the process did not die after its commit".into()
+    });
+    drop(narrow);
+
+    // Restarted; every client retries with its own key.
+    let app = match Proc::payments(&db.url, 50, &[]).await {
+        Ok(app) => app,
+        Err(error) => return row.failed(error),
+    };
+    let retrying = client(25);
+    let mut retries = JoinSet::new();
+    for i in 0..scale.crash_keys {
+        let (user, key, body) = payment(i);
+        let (retrying, addr) = (retrying.clone(), app.addr.clone());
+        retries.spawn(async move {
+            (
+                key.clone(),
+                post(
+                    &retrying,
+                    &addr,
+                    "/payments",
+                    &pay_headers(&user, &key),
+                    body,
+                )
+                .await,
+            )
+        });
+    }
+    {
+        let (retrying, addr) = (retrying.clone(), app.addr.clone());
+        retries.spawn(async move {
+            let sent = post(
+                &retrying,
+                &addr,
+                "/payments",
+                &pay_headers(&user, narrow_key),
+                body,
+            )
+            .await;
+            (narrow_key.to_owned(), sent)
+        });
+    }
+    while let Some(joined) = retries.join_next().await {
+        let Ok((key, sent)) = joined else {
+            row.problems.push("a retry task failed".into());
+            continue;
+        };
+        match sent {
+            Ok(answer) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(answer.status == 201, || {
+                    format!("{key}: {} {}", answer.status, answer.text())
+                });
+                if key == narrow_key {
+                    row.check(answer.replayed, || {
+                        "the narrow window's retry was not a replay".into()
+                    });
+                }
+            }
+            Err(error) => row.problems.push(format!("{key}: {error}")),
+        }
+    }
+
+    // What the databases hold.
+    let expected = scale.crash_keys + 1;
+    let charges = match get_json(&app.addr, "/provider/charges", None).await {
+        Ok(all) => all["charges"].as_array().cloned().unwrap_or_default(),
+        Err(error) => return row.failed(error),
+    };
+    let charged: HashSet<String> = charges
+        .iter()
+        .filter(|c| c["user"].as_str().is_some_and(|u| u.starts_with("crash-u")))
+        .filter_map(|c| c["id"].as_str().map(str::to_owned))
+        .collect();
+    row.charges = Some(charged.len() as u64);
+    let mut paid: BTreeMap<String, u64> = BTreeMap::new();
+    for n in 0..4 {
+        let user = format!("crash-u{n}");
+        let ledger = match get_json(&app.addr, "/payments", Some(&user)).await {
+            Ok(ledger) => ledger,
+            Err(error) => return row.failed(error),
+        };
+        let payments = ledger["payments"].as_array().cloned().unwrap_or_default();
+        let spent: i64 = payments.iter().filter_map(|p| p["amount"].as_i64()).sum();
+        let balance = ledger["balance"].as_i64().unwrap_or_default();
+        row.check(balance == 1_000_000 - spent, || {
+            format!("{user}: balance {balance} after spending {spent}")
+        });
+        for p in &payments {
+            if let Some(charge) = p["charge_id"].as_str() {
+                *paid.entry(charge.to_owned()).or_default() += 1;
+            }
+        }
+        row.effects += payments.len() as u64;
+    }
+    row.doubles = paid.values().filter(|n| **n > 1).count() as u64;
+    row.expect_effects(expected);
+    row.check(charged.len() as u64 == expected, || {
+        format!("{} charges for {expected} keys", charged.len())
+    });
+    let unpaid = charged.iter().filter(|c| !paid.contains_key(*c)).count();
+    row.check(unpaid == 0, || {
+        format!("{unpaid} charges without a payment")
+    });
+    row.note = format!("{before} answered before the kill; narrow window replayed");
+    row
+}
+
+// ---------------------------------------------------------------------------------
+// The suite's server
+
+fn effect_headers(key: &str, extra: &[(&'static str, u64)]) -> Vec<(&'static str, String)> {
+    let mut headers = vec![("idempotency-key", key.to_owned())];
+    headers.extend(extra.iter().map(|(name, value)| (*name, value.to_string())));
+    headers
+}
+
+async fn stats(row: &mut Row, addr: &str) {
+    match get_json(addr, "/stats", None).await {
+        Ok(stats) => {
+            row.effects = stats["effects"].as_u64().unwrap_or(u64::MAX);
+            row.doubles = stats["doubles"].as_u64().unwrap_or(u64::MAX);
+        }
+        Err(error) => row.problems.push(format!("stats: {error}")),
+    }
+}
+
+/// Scenario 2: An executor frozen (SIGSTOP) past its lock on instance A; a retry on instance
+/// B takes over and completes; A thaws and must fail to commit.
+pub async fn hang(db: &Fresh) -> Row {
+    let mut row = Row::new("hang (SIGSTOP past the lock)", db.backend);
+    let (a, b) = match (
+        Proc::server(&db.url, &[]).await,
+        Proc::server(&db.url, &[]).await,
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(error), _) | (_, Err(error)) => return row.failed(error),
+    };
+    let headers = effect_headers("hang-1", &[("x-lock-ms", 1500), ("x-sleep-ms", 400)]);
+    let first = {
+        let (once, addr, headers) = (client(1), a.addr.clone(), headers.clone());
+        tokio::spawn(async move { post(&once, &addr, "/effects", &headers, "hang-1".into()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    a.signal("STOP");
+    // Past the lock, and past MySQL's whole-second wait_timeout.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let second = {
+        let (retrying, addr, headers) = (client(20), b.addr.clone(), headers.clone());
+        tokio::spawn(
+            async move { post(&retrying, &addr, "/effects", &headers, "hang-1".into()).await },
+        )
+    };
+    // PostgreSQL and MySQL ended the frozen executor's session at its lock: B takes
+    // over while A is still frozen. SQLite cannot: A holds the only writer lock.
+    let took_over_frozen = db.backend != Backend::Sqlite;
+    let second = if took_over_frozen {
+        let second = tokio::time::timeout(Duration::from_secs(30), second).await;
+        a.signal("CONT");
+        second.ok()
+    } else {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        a.signal("CONT");
+        tokio::time::timeout(Duration::from_secs(60), second)
+            .await
+            .ok()
+    };
+    row.requests = 1;
+    match second {
+        Some(Ok(Ok(answer))) => {
+            row.requests += u64::from(answer.attempts);
+            row.check(answer.status == 201, || {
+                format!("B answered {} {}", answer.status, answer.text())
+            });
+        }
+        other => row.problems.push(format!("B: {other:?}")),
+    }
+    match first.await {
+        Ok(Ok(answer)) => {
+            row.check(answer.status == 503 && is_problem_json(&answer), || {
+                format!(
+                    "the thawed executor answered {} {}",
+                    answer.status,
+                    answer.text()
+                )
+            });
+        }
+        other => row.problems.push(format!("A: {other:?}")),
+    }
+    stats(&mut row, &b.addr).await;
+    row.expect_effects(1);
+    row.note = if took_over_frozen {
+        "taken over while frozen; thawed one refused".into()
+    } else {
+        "takeover waited for the thaw (one writer)".into()
+    };
+    row
+}
+
+/// Scenario 3a: The executor's database session killed mid-transaction from outside.
+pub async fn session_killed(db: &Fresh) -> Row {
+    let mut row = Row::new("db: session killed mid-transaction", db.backend);
+    if db.backend == Backend::Sqlite {
+        row.note = "n/a: embedded, no session to kill".into();
+        return row;
+    }
+    let a = match Proc::server(&db.url, &[]).await {
+        Ok(a) => a,
+        Err(error) => return row.failed(error),
+    };
+    let headers = effect_headers("killed-1", &[("x-lock-ms", 10_000), ("x-sleep-ms", 1500)]);
+    let first = {
+        let (once, addr, headers) = (client(1), a.addr.clone(), headers.clone());
+        tokio::spawn(
+            async move { post(&once, &addr, "/effects", &headers, "killed-1".into()).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed = db.kill_open_transactions().await.unwrap_or(0);
+    row.check(killed >= 1, || "no open transaction to kill".into());
+    row.requests = 1;
+    match first.await {
+        Ok(Ok(answer)) => row.check(answer.status == 503 && is_problem_json(&answer), || {
+            format!(
+                "the killed executor answered {} {}",
+                answer.status,
+                answer.text()
+            )
+        }),
+        other => row.problems.push(format!("first: {other:?}")),
+    }
+    // The same instance recovers: the retry, and a new key, both complete.
+    for (key, extra) in [("killed-1", 1500), ("killed-2", 0)] {
+        let headers = effect_headers(key, &[("x-lock-ms", 10_000), ("x-sleep-ms", extra)]);
+        match post(&client(10), &a.addr, "/effects", &headers, key.into()).await {
+            Ok(answer) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(answer.status == 201, || {
+                    format!("{key}: {} {}", answer.status, answer.text())
+                });
+            }
+            Err(error) => row.problems.push(format!("{key}: {error}")),
+        }
+    }
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(2);
+    row.note = format!("{killed} session(s) killed; 503, then recovered without restart");
+    row
+}
+
+/// Scenario 3b: More concurrent requests than connections: some wait past the acquire
+/// timeout and are answered 503 problem+json; their retries complete.
+pub async fn pool_exhausted(db: &Fresh) -> Row {
+    let mut row = Row::new("db: pool exhausted", db.backend);
+    let a = match Proc::server(&db.url, &[("POOL", "2"), ("ACQUIRE_MS", "300")]).await {
+        Ok(a) => a,
+        Err(error) => return row.failed(error),
+    };
+    let keys: Vec<String> = (0..12).map(|i| format!("pool-{i}")).collect();
+    let mut first = JoinSet::new();
+    for key in &keys {
+        let (once, addr, key) = (client(1), a.addr.clone(), key.clone());
+        first.spawn(async move {
+            let headers = effect_headers(&key, &[("x-sleep-ms", 800)]);
+            (
+                key.clone(),
+                post(&once, &addr, "/effects", &headers, key).await,
+            )
+        });
+    }
+    let mut refused = Vec::new();
+    while let Some(joined) = first.join_next().await {
+        row.requests += 1;
+        match joined {
+            Ok((_, Ok(answer))) if answer.status == 201 => {}
+            Ok((key, Ok(answer))) => {
+                row.check(answer.status == 503 && is_problem_json(&answer), || {
+                    format!("{key}: {} {}", answer.status, answer.text())
+                });
+                refused.push(key);
+            }
+            other => row.problems.push(format!("{other:?}")),
+        }
+    }
+    row.check(!refused.is_empty(), || "the pool never ran out".into());
+    for key in &refused {
+        let headers = effect_headers(key, &[("x-sleep-ms", 800)]);
+        match post(&client(20), &a.addr, "/effects", &headers, key.clone()).await {
+            Ok(answer) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(answer.status == 201, || {
+                    format!("{key}: {} {}", answer.status, answer.text())
+                });
+            }
+            Err(error) => row.problems.push(format!("{key}: {error}")),
+        }
+    }
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(keys.len() as u64);
+    row.note = format!("{} answered 503, then completed on retry", refused.len());
+    row
+}
+
+/// Scenario 4: Two instances on one database, every key sent many times at once, spread over both.
+pub async fn two_instances(db: &Fresh, scale: &Scale) -> Row {
+    let mut row = Row::new("storm over two instances", db.backend);
+    let (a, b) = match (
+        Proc::server(&db.url, &[]).await,
+        Proc::server(&db.url, &[]).await,
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(error), _) | (_, Err(error)) => return row.failed(error),
+    };
+    let retrying = client(10);
+    let gate = Arc::new(Semaphore::new(64));
+    let mut sent = JoinSet::new();
+    for k in 0..scale.storm_keys {
+        for d in 0..scale.storm_duplicates {
+            let addr = if (k + d) % 2 == 0 {
+                a.addr.clone()
+            } else {
+                b.addr.clone()
+            };
+            let (retrying, gate) = (retrying.clone(), Arc::clone(&gate));
+            sent.spawn(async move {
+                let _permit = gate.acquire_owned().await;
+                let key = format!("storm-{k}");
+                let headers = effect_headers(&key, &[("x-wait-ms", 10_000), ("x-sleep-ms", 5)]);
+                (
+                    k,
+                    post(&retrying, &addr, "/effects", &headers, key.clone()).await,
+                )
+            });
+        }
+    }
+    let mut answers: BTreeMap<u64, Value> = BTreeMap::new();
+    while let Some(joined) = sent.join_next().await {
+        match joined {
+            Ok((k, Ok(answer))) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(answer.status == 201, || {
+                    format!("storm-{k}: {} {}", answer.status, answer.text())
+                });
+                let body: Value = serde_json::from_slice(&answer.body).unwrap_or(Value::Null);
+                let first = answers.entry(k).or_insert_with(|| body.clone());
+                row.check(*first == body, || {
+                    format!("storm-{k}: two different answers")
+                });
+            }
+            other => row.problems.push(format!("{other:?}")),
+        }
+    }
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(scale.storm_keys);
+    row.note = format!(
+        "{} keys x {} duplicates",
+        scale.storm_keys, scale.storm_duplicates
+    );
+    row
+}

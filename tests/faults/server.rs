@@ -1,0 +1,198 @@
+//! The suite's own server, run as a separate process (this binary, re-executed
+//! with `IDEM_FAULTS_ROLE=server`): one business write per execution, steered by
+//! headers that are not part of the request's identity.
+//!
+//! Environment: `DATABASE_URL`; `POOL` (connections, default 16); `ACQUIRE_MS`
+//! (pool acquire timeout, default 30000). Prints `listening on http://ADDR` first.
+//!
+//! Routes: `POST /effects` (headers `x-lock-ms`, `x-wait-ms`, `x-sleep-ms`; the body
+//! is the note written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes
+//! written more than once).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use idem::axum::IdempotentRequest;
+use idem::{Backend, Idempotency, Options, Tx};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{MySql, Pool, Postgres, Sqlite};
+
+pub const ROLE: &str = "IDEM_FAULTS_ROLE";
+
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'a>>;
+
+/// The business table, per backend.
+pub trait Effects: Backend {
+    const CREATE: &'static str;
+    fn insert<'a>(tx: &'a mut Tx<'_, Self>, note: &'a str) -> Boxed<'a, i64>;
+    fn stats(pool: &Pool<Self>) -> Boxed<'_, (i64, i64)>;
+}
+
+const STATS: &str = "SELECT (SELECT count(*) FROM effects), \
+     (SELECT count(*) FROM (SELECT note FROM effects GROUP BY note HAVING count(*) > 1) d)";
+
+macro_rules! effects {
+    ($db:ty, $create:literal, $insert:literal) => {
+        impl Effects for $db {
+            const CREATE: &'static str = $create;
+
+            fn insert<'a>(tx: &'a mut Tx<'_, Self>, note: &'a str) -> Boxed<'a, i64> {
+                Box::pin(async move {
+                    let done = sqlx::query($insert).bind(note).execute(&mut **tx).await?;
+                    Ok(i64::try_from(done.rows_affected()).unwrap_or(0))
+                })
+            }
+
+            fn stats(pool: &Pool<Self>) -> Boxed<'_, (i64, i64)> {
+                Box::pin(async move { sqlx::query_as(STATS).fetch_one(pool).await })
+            }
+        }
+    };
+}
+
+effects!(
+    Postgres,
+    "CREATE TABLE IF NOT EXISTS effects (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL)",
+    "INSERT INTO effects (note) VALUES ($1)"
+);
+effects!(
+    MySql,
+    "CREATE TABLE IF NOT EXISTS effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, note VARCHAR(255) NOT NULL)",
+    "INSERT INTO effects (note) VALUES (?)"
+);
+effects!(
+    Sqlite,
+    "CREATE TABLE IF NOT EXISTS effects (id INTEGER PRIMARY KEY AUTOINCREMENT, note TEXT NOT NULL)",
+    "INSERT INTO effects (note) VALUES (?1)"
+);
+
+fn number(headers: &HeaderMap, name: &str) -> u64 {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn effect<DB: Effects>(
+    State(_): State<Idempotency<DB>>,
+    request: IdempotentRequest<DB>,
+) -> Response {
+    let headers = request.parts().headers.clone();
+    let mut options = Options::new();
+    if let n @ 1.. = number(&headers, "x-lock-ms") {
+        options = options.lock(Duration::from_millis(n));
+    }
+    if let n @ 1.. = number(&headers, "x-wait-ms") {
+        options = options.wait(Duration::from_millis(n));
+    }
+    let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
+    let note = String::from_utf8_lossy(request.body()).into_owned();
+    request
+        .run("faults", options, move |mut tx| {
+            Box::pin(async move {
+                if let Err(error) = DB::insert(&mut tx, &note).await {
+                    return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
+                }
+                tokio::time::sleep(sleep).await;
+                let body = serde_json::json!({ "note": note }).to_string();
+                (StatusCode::CREATED, body).into_response()
+            })
+        })
+        .await
+}
+
+async fn stats<DB: Effects>(State(store): State<Idempotency<DB>>) -> Response {
+    match DB::stats(store.pool()).await {
+        Ok((effects, doubles)) => serde_json::json!({ "effects": effects, "doubles": doubles })
+            .to_string()
+            .into_response(),
+        Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
+    }
+}
+
+async fn serve<DB: Effects>(pool: Pool<DB>) -> Result<(), Box<dyn std::error::Error>>
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    sqlx::raw_sql(DB::CREATE).execute(&pool).await?;
+    let store = Idempotency::new(pool);
+    store.migrate().await?;
+    let router = Router::new()
+        .route("/effects", post(effect::<DB>))
+        .route("/stats", get(stats::<DB>))
+        .with_state(store);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+async fn start() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("DATABASE_URL")?;
+    let size = std::env::var("POOL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let acquire = std::env::var("ACQUIRE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(30), Duration::from_millis);
+    if url.starts_with("postgres:") {
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(acquire)
+            .connect_with(PgConnectOptions::from_str(&url)?)
+            .await?;
+        serve(pool).await
+    } else if url.starts_with("mysql:") {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(acquire)
+            .connect_with(MySqlConnectOptions::from_str(&url)?)
+            .await?;
+        serve(pool).await
+    } else {
+        let options = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(acquire)
+            .connect_with(options)
+            .await?;
+        serve(pool).await
+    }
+}
+
+pub fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("server: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(start()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("server: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -17,6 +17,7 @@
 //! | same key and request, completed | the stored response, plus `Idempotent-Replayed: true` |
 //! | same key and request, in flight | 409 `in-flight`, `Retry-After` = what is left of the holder's `lock`; with `wait`, first waits for it and replays |
 //! | same key, another method, path or body | 422 `payload-mismatch` |
+//! | body over axum's `DefaultBodyLimit`, or slower than the store's `body_timeout` (30 s) | 413 `payload-too-large`, 408 `request-timeout`; nothing claimed |
 //! | handler answers ≥ 500, panics, or outlives its `lock` | rolled back, key released: a retry runs it again |
 //! | key older than its `ttl` | treated as never seen |
 //!
@@ -196,8 +197,10 @@
 ///
 /// The last extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any other) is
 /// handed the body as received, after it is buffered (within axum's
-/// `DefaultBodyLimit`; over it, 413 `payload-too-large`) and fingerprinted. If it
-/// rejects the request, its rejection is the answer and nothing is stored.
+/// `DefaultBodyLimit`; over it, 413 `payload-too-large`; slower than the store's
+/// [`body_timeout`](Builder::body_timeout), 408 `request-timeout`) and
+/// fingerprinted. If it rejects the request, its rejection is the answer and
+/// nothing is stored.
 ///
 /// The handler's body, attributes, doc comments, visibility and generics are kept;
 /// `?` and `return` behave as written. It runs in its own task, so a client that
@@ -232,10 +235,10 @@
 /// ```
 pub use idem_macros::idempotent;
 pub use idem_runtime::{
-    Backend, Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,
-    HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED, Idempotency,
-    IdempotencyKey, InvalidKey, KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity,
-    Scope, Sweep, SweepReport, Tx, fingerprint,
+    Backend, Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_PROBLEM_BASE, DEFAULT_TABLE, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL,
+    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey, KeyRecord, MAX_KEY_LEN, Options,
+    Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx, fingerprint,
 };
 
 #[cfg(feature = "postgres")]

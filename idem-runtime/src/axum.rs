@@ -154,9 +154,17 @@ where
             problem_response(&store, Problem::InvalidKey, &invalid.to_string())
         })?;
         let (parts, body) = request.into_parts();
-        let body = Bytes::from_request(Request::from_parts(parts.clone(), body), state)
-            .await
-            .map_err(|rejection| body_rejection(&store, rejection))?;
+        let buffered = Bytes::from_request(Request::from_parts(parts.clone(), body), state);
+        let body = match tokio::time::timeout(store.body_timeout(), buffered).await {
+            Ok(body) => body.map_err(|rejection| body_rejection(&store, rejection))?,
+            Err(_elapsed) => {
+                let detail = format!(
+                    "the request body did not arrive within {} ms; nothing was claimed, send it again",
+                    store.body_timeout().as_millis()
+                );
+                return Err(problem_response(&store, Problem::RequestTimeout, &detail));
+            }
+        };
         Ok(Self {
             store,
             key,

@@ -38,8 +38,8 @@ pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;
 pub use store::{
-    Builder, ConfigError, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE, DEFAULT_TABLE,
-    Idempotency,
+    Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
+    DEFAULT_TABLE, Idempotency,
 };
 pub use sweep::{Sweep, SweepReport};
 

@@ -35,6 +35,9 @@ pub enum Problem {
     PayloadMismatch,
     /// 413: the request body is larger than the endpoint accepts.
     PayloadTooLarge,
+    /// 408: the request body did not arrive within the store's
+    /// [`body_timeout`](crate::Builder::body_timeout); nothing was claimed.
+    RequestTimeout,
     /// 503: the handler ran past its `lock`; its work was rolled back and the key
     /// released, so a retry runs it again. Carries `Retry-After: 1`.
     LeaseExpired,
@@ -57,6 +60,7 @@ impl Problem {
             Self::InFlight => StatusCode::CONFLICT,
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::ResponseTooLarge | Self::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
             Self::LeaseExpired | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -70,6 +74,7 @@ impl Problem {
             Self::InFlight => "in-flight",
             Self::PayloadMismatch => "payload-mismatch",
             Self::PayloadTooLarge => "payload-too-large",
+            Self::RequestTimeout => "request-timeout",
             Self::LeaseExpired => "lease-expired",
             Self::ResponseTooLarge => "response-too-large",
             Self::HandlerFailed => "handler-failed",
@@ -85,6 +90,7 @@ impl Problem {
             Self::InFlight => "Request with this key is in flight",
             Self::PayloadMismatch => "Idempotency-Key reused with another request",
             Self::PayloadTooLarge => "Request body too large",
+            Self::RequestTimeout => "Request body too slow",
             Self::LeaseExpired => "Request ran past its lock and was rolled back",
             Self::ResponseTooLarge => "Response too large to store",
             Self::HandlerFailed => "Request handler failed",

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::Pool;
 
@@ -16,6 +17,9 @@ pub const DEFAULT_PROBLEM_BASE: &str = "urn:idem:problem:";
 
 /// Default largest response body kept for replay: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// The default [`Builder::body_timeout`]: 30 seconds for the whole request body.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The idempotency store: a connection pool of your own database plus store-wide
 /// settings. Cheap to clone; put it in your axum state and reach it with `FromRef`.
@@ -45,6 +49,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) table: Box<str>,
     pub(crate) problem_base: Box<str>,
     pub(crate) max_response_bytes: usize,
+    pub(crate) body_timeout: Duration,
     pub(crate) partitioned: bool,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
@@ -65,6 +70,7 @@ impl<DB: Backend> fmt::Debug for Idempotency<DB> {
             .field("table", &self.inner.table)
             .field("problem_base", &self.inner.problem_base)
             .field("max_response_bytes", &self.inner.max_response_bytes)
+            .field("body_timeout", &self.inner.body_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -95,6 +101,7 @@ impl<DB: Backend> Idempotency<DB> {
             table: DEFAULT_TABLE.into(),
             problem_base: DEFAULT_PROBLEM_BASE.into(),
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             partitioned: false,
         }
     }
@@ -117,6 +124,11 @@ impl<DB: Backend> Idempotency<DB> {
     /// The largest response body the store keeps for replay.
     pub fn max_response_bytes(&self) -> usize {
         self.inner.max_response_bytes
+    }
+
+    /// How long the axum extractor waits for a whole request body.
+    pub fn body_timeout(&self) -> Duration {
+        self.inner.body_timeout
     }
 
     /// The SQL that creates the key table, for this backend and table name. The same
@@ -169,6 +181,7 @@ pub struct Builder<DB: Backend> {
     table: Box<str>,
     problem_base: Box<str>,
     max_response_bytes: usize,
+    body_timeout: Duration,
     partitioned: bool,
 }
 
@@ -193,6 +206,15 @@ impl<DB: Backend> Builder<DB> {
     /// gets 500 `response-too-large`; a partial record is never kept.
     pub fn max_response_bytes(mut self, max: usize) -> Self {
         self.max_response_bytes = max;
+        self
+    }
+
+    /// How long the axum extractor waits for the whole request body (default
+    /// [`DEFAULT_BODY_TIMEOUT`]). A body that trickles in slower is answered 408
+    /// `request-timeout` before anything is claimed, so the client may simply send
+    /// it again; a slow client cannot hold a handler, a key or a connection.
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.body_timeout = timeout;
         self
     }
 
@@ -223,6 +245,7 @@ impl<DB: Backend> Builder<DB> {
                 table: self.table,
                 problem_base: self.problem_base,
                 max_response_bytes: self.max_response_bytes,
+                body_timeout: self.body_timeout,
                 partitioned: self.partitioned,
                 sql,
                 signals: Signals::new(),

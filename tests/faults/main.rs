@@ -5,7 +5,7 @@
 //! cargo test --test faults                    # the bounded form CI runs
 //! IDEM_FAULTS=full cargo test --test faults   # more keys, longer storms
 //! IDEM_FAULTS_ONLY=hang cargo test --test faults   # one scenario: crash, hang,
-//!                                                  # killed, pool or storm
+//!                                                  # killed, pool, storm or hostile
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -55,6 +55,7 @@ enum Scenario {
     SessionKilled,
     PoolExhausted,
     TwoInstances,
+    Hostile,
 }
 
 impl Scenario {
@@ -65,6 +66,7 @@ impl Scenario {
             Self::SessionKilled => "killed",
             Self::PoolExhausted => "pool",
             Self::TwoInstances => "storm",
+            Self::Hostile => "hostile",
         }
     }
 }
@@ -92,6 +94,7 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
         Scenario::SessionKilled => scenarios::session_killed(&db).await,
         Scenario::PoolExhausted => scenarios::pool_exhausted(&db).await,
         Scenario::TwoInstances => scenarios::two_instances(&db, scale).await,
+        Scenario::Hostile => scenarios::hostile(&db).await,
     };
     db.drop_all().await;
     Some(row)
@@ -108,6 +111,7 @@ async fn run() -> ExitCode {
         Scenario::SessionKilled,
         Scenario::PoolExhausted,
         Scenario::TwoInstances,
+        Scenario::Hostile,
     ] {
         if only.as_deref().is_some_and(|only| only != scenario.tag()) {
             continue;

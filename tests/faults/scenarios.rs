@@ -528,3 +528,338 @@ pub async fn two_instances(db: &Fresh, scale: &Scale) -> Row {
     );
     row
 }
+
+// ---------------------------------------------------------------------------------
+// Hostile input, over raw TCP
+
+/// One answer read off the wire (the request asked to close the connection).
+struct Wire {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Wire {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then_some(v.trim())
+        })
+    }
+
+    fn problem(&self) -> Option<String> {
+        let json: Value = serde_json::from_str(&self.body).ok()?;
+        let kind = json["type"].as_str()?;
+        Some(kind.rsplit(':').next().unwrap_or(kind).to_owned())
+    }
+}
+
+/// Sends `head` (request line and headers, without the blank line) and `body`,
+/// the body in `chunks` pieces `pause` apart; reads the whole answer.
+async fn wire(
+    addr: &str,
+    head: &[u8],
+    body: &[u8],
+    chunks: usize,
+    pause: Duration,
+) -> Result<Wire, String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut request = head.to_vec();
+    request.extend_from_slice(
+        format!(
+            "\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    stream
+        .write_all(&request)
+        .await
+        .map_err(|e| e.to_string())?;
+    let piece = body.len().div_ceil(chunks.max(1)).max(1);
+    for (i, chunk) in body.chunks(piece).enumerate() {
+        if i > 0 {
+            tokio::time::sleep(pause).await;
+        }
+        // The server may answer (408) and close before the rest is sent.
+        if stream.write_all(chunk).await.is_err() {
+            break;
+        }
+    }
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw)).await;
+    if !matches!(read, Ok(Ok(_))) && raw.is_empty() {
+        return Err(format!("no answer: {read:?}"));
+    }
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("not HTTP: {text:?}"))?;
+    Ok(Wire {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    })
+}
+
+/// Request line and headers for `POST path`, with `keys` as `Idempotency-Key`
+/// headers (raw bytes) and `extra` headers.
+fn head(path: &str, keys: &[&[u8]], extra: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = format!("POST {path} HTTP/1.1\r\nhost: localhost").into_bytes();
+    for key in keys {
+        out.extend_from_slice(b"\r\nidempotency-key: ");
+        out.extend_from_slice(key);
+    }
+    for (name, value) in extra {
+        out.extend_from_slice(format!("\r\n{name}: {value}").as_bytes());
+    }
+    out
+}
+
+/// What a hostile key is, the keys sent, the status and problem slug expected.
+type KeyCase<'a> = (&'a str, Vec<&'a [u8]>, u16, Option<&'a str>);
+/// What is sent, under which key, with which headers, and the status expected.
+type Sent<'a> = (&'a str, &'a [u8], &'a [(&'a str, &'a str)], u16);
+
+/// Scenario 5: hostile keys, colliding scopes, oversized and trickling bodies,
+/// oversized responses: each gets a clear answer and loses nothing.
+pub async fn hostile(db: &Fresh) -> Row {
+    let mut row = Row::new("hostile input", db.backend);
+    let env = [
+        ("BODY_LIMIT", "1024"),
+        ("BODY_TIMEOUT_MS", "800"),
+        ("MAX_RESPONSE", "4096"),
+    ];
+    let a = match Proc::server(&db.url, &env).await {
+        Ok(a) => a,
+        Err(error) => return row.failed(error),
+    };
+    let quick = Duration::ZERO;
+    let long = "k".repeat(255);
+    let too_long = "k".repeat(256);
+    let huge = "k".repeat(64 * 1024);
+    // (what, keys, expected status, expected problem slug, or none for any 4xx body)
+    let keys: Vec<KeyCase<'_>> = vec![
+        ("empty key", vec![b""], 400, Some("invalid-key")),
+        ("1-byte key", vec![b"a"], 201, None),
+        ("255-byte key", vec![long.as_bytes()], 201, None),
+        (
+            "256-byte key",
+            vec![too_long.as_bytes()],
+            400,
+            Some("invalid-key"),
+        ),
+        (
+            "64 KiB key",
+            vec![huge.as_bytes()],
+            400,
+            Some("invalid-key"),
+        ),
+        ("control character", vec![b"ab\x01c"], 400, None),
+        ("tab inside", vec![b"a\tb"], 400, Some("invalid-key")),
+        (
+            "non-ASCII",
+            vec!["ключ".as_bytes()],
+            400,
+            Some("invalid-key"),
+        ),
+        ("two headers", vec![b"x1", b"x2"], 400, Some("invalid-key")),
+        (
+            "the same header twice",
+            vec![b"x3", b"x3"],
+            400,
+            Some("invalid-key"),
+        ),
+        ("bad quoting", vec![b"\"open"], 400, Some("invalid-key")),
+        (
+            "SQL-looking, quoted",
+            vec![b"\"'; DROP TABLE effects; --\""],
+            201,
+            None,
+        ),
+        (
+            "SQL-looking, bare",
+            vec![b"';DROP/**/TABLE/**/effects;--"],
+            201,
+            None,
+        ),
+    ];
+    let mut created = 0;
+    for (what, keys, status, slug) in keys {
+        let note = format!("note {what}");
+        let got = wire(
+            &a.addr,
+            &head("/effects", &keys, &[]),
+            note.as_bytes(),
+            1,
+            quick,
+        )
+        .await;
+        row.requests += 1;
+        match got {
+            Ok(got) => {
+                // A 64 KiB header may be refused by the HTTP layer (431) first.
+                let status_ok = got.status == status || (what == "64 KiB key" && got.status == 431);
+                row.check(status_ok, || format!("{what}: {} {}", got.status, got.body));
+                if let (Some(slug), 400) = (slug, got.status) {
+                    row.check(got.problem().as_deref() == Some(slug), || {
+                        format!("{what}: {}", got.body)
+                    });
+                }
+                created += u64::from(got.status == 201);
+            }
+            Err(error) => row.problems.push(format!("{what}: {error}")),
+        }
+    }
+
+    // Quoted and bare forms name the same key: the second is a replay.
+    for (i, key) in [&b"qb-1"[..], &b"\"qb-1\""[..]].into_iter().enumerate() {
+        let got = wire(
+            &a.addr,
+            &head("/effects", &[key], &[]),
+            b"quoted or bare",
+            1,
+            quick,
+        )
+        .await;
+        row.requests += 1;
+        match got {
+            Ok(got) => {
+                row.check(got.status == 201, || format!("quoted/bare: {}", got.status));
+                let replayed = got.header("idempotent-replayed") == Some("true");
+                row.check(replayed == (i == 1), || {
+                    format!("quoted/bare #{i}: replayed {replayed}")
+                });
+                created += u64::from(i == 0);
+            }
+            Err(error) => row.problems.push(format!("quoted/bare: {error}")),
+        }
+    }
+
+    // "a:b" + "c" and "a" + "b:c": two requests, two executions, two answers.
+    let mut bodies = Vec::new();
+    for (scope, key) in [("a:b", &b"c"[..]), ("a", &b"b:c"[..])] {
+        let got = wire(
+            &a.addr,
+            &head("/effects", &[key], &[("x-scope", scope)]),
+            b"collide",
+            1,
+            quick,
+        )
+        .await;
+        row.requests += 1;
+        match got {
+            Ok(got) => {
+                row.check(
+                    got.status == 201 && got.header("idempotent-replayed").is_none(),
+                    || {
+                        format!(
+                            "scope {scope}: {} {:?}",
+                            got.status,
+                            got.header("idempotent-replayed")
+                        )
+                    },
+                );
+                bodies.push(got.body);
+                created += 1;
+            }
+            Err(error) => row.problems.push(format!("scope {scope}: {error}")),
+        }
+    }
+    row.check(bodies.len() == 2 && bodies[0] != bodies[1], || {
+        "colliding scopes shared an answer".into()
+    });
+
+    // Over the body limit: 413, nothing stored; under it, the same key works.
+    let big = vec![b'x'; 2048];
+    let checks: [(&str, &[u8], u16, Option<&str>); 2] = [
+        ("over the limit", &big, 413, Some("payload-too-large")),
+        ("within the limit", b"small", 201, None),
+    ];
+    for (what, body, status, slug) in checks {
+        let got = wire(&a.addr, &head("/small", &[b"limit-1"], &[]), body, 1, quick).await;
+        row.requests += 1;
+        match got {
+            Ok(got) => {
+                row.check(got.status == status, || {
+                    format!("{what}: {} {}", got.status, got.body)
+                });
+                if let Some(slug) = slug {
+                    row.check(got.problem().as_deref() == Some(slug), || {
+                        format!("{what}: {}", got.body)
+                    });
+                }
+                created += u64::from(got.status == 201);
+            }
+            Err(error) => row.problems.push(format!("{what}: {error}")),
+        }
+    }
+
+    // A body trickling in slower than the body timeout: 408 before any claim; the
+    // same key sent properly then executes (not a replay).
+    let body = vec![b'y'; 64];
+    let got = wire(
+        &a.addr,
+        &head("/effects", &[b"trickle-1"], &[]),
+        &body,
+        8,
+        Duration::from_millis(300),
+    )
+    .await;
+    row.requests += 1;
+    match got {
+        Ok(got) => {
+            row.check(got.status == 408, || {
+                format!("trickle: {} {}", got.status, got.body)
+            });
+            row.check(got.problem().as_deref() == Some("request-timeout"), || {
+                format!("trickle: {}", got.body)
+            });
+        }
+        Err(error) => row.problems.push(format!("trickle: {error}")),
+    }
+    // A response larger than the store keeps: 500, rolled back, key free again.
+    let sends: [Sent<'_>; 3] = [
+        ("trickle retry", b"trickle-1", &[], 201),
+        ("oversized response", b"big-1", &[("x-big", "10000")], 500),
+        ("after the oversized response", b"big-1", &[], 201),
+    ];
+    for (what, key, extra, status) in sends {
+        let body = if key == b"trickle-1" {
+            &body[..]
+        } else {
+            b"big"
+        };
+        let got = wire(&a.addr, &head("/effects", &[key], extra), body, 1, quick).await;
+        row.requests += 1;
+        match got {
+            Ok(got) => {
+                row.check(got.status == status, || {
+                    format!("{what}: {} {}", got.status, got.body)
+                });
+                row.check(got.header("idempotent-replayed").is_none(), || {
+                    format!("{what}: a replay")
+                });
+                if status == 500 {
+                    row.check(
+                        got.problem().as_deref() == Some("response-too-large"),
+                        || format!("{what}: {}", got.body),
+                    );
+                }
+                created += u64::from(got.status == 201);
+            }
+            Err(error) => row.problems.push(format!("{what}: {error}")),
+        }
+    }
+
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(created);
+    row.note = format!("{created} executed; every refusal stored nothing");
+    row
+}

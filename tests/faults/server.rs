@@ -3,11 +3,14 @@
 //! headers that are not part of the request's identity.
 //!
 //! Environment: `DATABASE_URL`; `POOL` (connections, default 16); `ACQUIRE_MS`
-//! (pool acquire timeout, default 30000). Prints `listening on http://ADDR` first.
+//! (pool acquire timeout, default 30000); `BODY_LIMIT` (bytes `/small` accepts,
+//! default 1024); `BODY_TIMEOUT_MS` and `MAX_RESPONSE` (the store's settings).
+//! Prints `listening on http://ADDR` first.
 //!
-//! Routes: `POST /effects` (headers `x-lock-ms`, `x-wait-ms`, `x-sleep-ms`; the body
-//! is the note written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes
-//! written more than once).
+//! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
+//! `x-wait-ms`, `x-sleep-ms`, `x-big` (response bytes); the body is the note
+//! written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes written
+//! more than once).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -97,16 +100,24 @@ async fn effect<DB: Effects>(
         options = options.wait(Duration::from_millis(n));
     }
     let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
+    let big = usize::try_from(number(&headers, "x-big")).unwrap_or(0);
+    let scope = headers
+        .get("x-scope")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("faults")
+        .to_owned();
     let note = String::from_utf8_lossy(request.body()).into_owned();
     request
-        .run("faults", options, move |mut tx| {
+        .run(&scope.clone(), options, move |mut tx| {
             Box::pin(async move {
-                if let Err(error) = DB::insert(&mut tx, &note).await {
+                // Per scope: the same body under two scopes is two notes.
+                if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
                     return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
                 }
                 tokio::time::sleep(sleep).await;
-                let body = serde_json::json!({ "note": note }).to_string();
-                (StatusCode::CREATED, body).into_response()
+                let body =
+                    serde_json::json!({ "scope": scope, "note": note, "pad": "x".repeat(big) });
+                (StatusCode::CREATED, body.to_string()).into_response()
             })
         })
         .await
@@ -126,10 +137,23 @@ where
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
 {
     sqlx::raw_sql(DB::CREATE).execute(&pool).await?;
-    let store = Idempotency::new(pool);
+    let setting = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let mut store = Idempotency::builder(pool);
+    if let Some(ms) = setting("BODY_TIMEOUT_MS") {
+        store = store.body_timeout(Duration::from_millis(ms));
+    }
+    if let Some(bytes) = setting("MAX_RESPONSE") {
+        store = store.max_response_bytes(usize::try_from(bytes)?);
+    }
+    let store = store.build()?;
     store.migrate().await?;
+    let limit = usize::try_from(setting("BODY_LIMIT").unwrap_or(1024))?;
     let router = Router::new()
         .route("/effects", post(effect::<DB>))
+        .route(
+            "/small",
+            post(effect::<DB>).layer(axum::extract::DefaultBodyLimit::max(limit)),
+        )
         .route("/stats", get(stats::<DB>))
         .with_state(store);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -174,3 +174,76 @@ impl Fresh {
         }
     }
 }
+
+/// Restarts the database server itself (the machine's own services, as `.ci/run`
+/// starts them) and waits until it accepts connections again; `Err` says why not.
+pub async fn restart_server(backend: Backend) -> Result<(), String> {
+    let run = |program: &str, args: &[&str]| -> Result<(), String> {
+        let status = std::process::Command::new(program)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .map_err(|e| format!("{program}: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("{program} {args:?}: {status}"))
+        }
+    };
+    let ready: Box<dyn Fn() -> bool + Send> = match backend {
+        Backend::Postgres => {
+            let version = std::fs::read_dir("/etc/postgresql")
+                .map_err(|e| e.to_string())?
+                .filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .next()
+                .ok_or("no PostgreSQL cluster")?;
+            tokio::task::spawn_blocking(move || {
+                run(
+                    "pg_ctlcluster",
+                    &["--skip-systemctl-redirect", &version, "main", "restart"],
+                )
+            })
+            .await
+            .map_err(|e| e.to_string())??;
+            Box::new(move || run("pg_isready", &["-q", "-h", "127.0.0.1", "-p", "5432"]).is_ok())
+        }
+        Backend::MySql => {
+            let ping = [
+                "--protocol=tcp",
+                "-h",
+                "127.0.0.1",
+                "-P",
+                "3306",
+                "-u",
+                "root",
+            ];
+            tokio::task::spawn_blocking(move || {
+                run("mariadb-admin", &[&ping[..], &["shutdown"]].concat())?;
+                // `shutdown` returns before the server has exited; starting while
+                // it still runs would do nothing.
+                let daemon = ["--exec", "/usr/sbin/mariadbd"];
+                for _ in 0..120 {
+                    if run("start-stop-daemon", &[&["--status"][..], &daemon].concat()).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(250));
+                }
+                let start = ["--start", "--oknodo", "--background"];
+                run("start-stop-daemon", &[&start[..], &daemon].concat())
+            })
+            .await
+            .map_err(|e| e.to_string())??;
+            Box::new(move || run("mariadb-admin", &[&ping[..], &["ping"]].concat()).is_ok())
+        }
+        Backend::Sqlite => return Err("SQLite has no server".into()),
+    };
+    for _ in 0..120 {
+        if ready() {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    Err(format!("{} did not come back within 60 s", backend.name()))
+}

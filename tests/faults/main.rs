@@ -5,7 +5,9 @@
 //! cargo test --test faults                    # the bounded form CI runs
 //! IDEM_FAULTS=full cargo test --test faults   # more keys, longer storms
 //! IDEM_FAULTS_ONLY=hang cargo test --test faults   # one scenario: crash, hang,
-//!                                                  # killed, pool, storm or hostile
+//!                                                  # killed, pool, storm, hostile
+//!                                                  # or restart
+//! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -56,6 +58,7 @@ enum Scenario {
     PoolExhausted,
     TwoInstances,
     Hostile,
+    Restart,
 }
 
 impl Scenario {
@@ -67,6 +70,7 @@ impl Scenario {
             Self::PoolExhausted => "pool",
             Self::TwoInstances => "storm",
             Self::Hostile => "hostile",
+            Self::Restart => "restart",
         }
     }
 }
@@ -95,6 +99,7 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
         Scenario::PoolExhausted => scenarios::pool_exhausted(&db).await,
         Scenario::TwoInstances => scenarios::two_instances(&db, scale).await,
         Scenario::Hostile => scenarios::hostile(&db).await,
+        Scenario::Restart => scenarios::restart(&db).await,
     };
     db.drop_all().await;
     Some(row)
@@ -112,6 +117,8 @@ async fn run() -> ExitCode {
         Scenario::PoolExhausted,
         Scenario::TwoInstances,
         Scenario::Hostile,
+        // Last: it restarts the database servers the others use.
+        Scenario::Restart,
     ] {
         if only.as_deref().is_some_and(|only| only != scenario.tag()) {
             continue;

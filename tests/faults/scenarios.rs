@@ -863,3 +863,82 @@ pub async fn hostile(db: &Fresh) -> Row {
     row.note = format!("{created} executed; every refusal stored nothing");
     row
 }
+
+// ---------------------------------------------------------------------------------
+// The database server restarted
+
+/// Scenario 3c: the database server restarted while requests run; the app, not
+/// restarted, answers 503 meanwhile and completes every key once, on retries.
+/// Restarting the machine's database is opt-in (`IDEM_FAULTS_RESTART=1`, which
+/// `.ci/run` sets); otherwise the row says it was skipped.
+pub async fn restart(db: &Fresh) -> Row {
+    let mut row = Row::new("db: server restarted under load", db.backend);
+    if db.backend == Backend::Sqlite {
+        row.note = "n/a: embedded, no server".into();
+        return row;
+    }
+    if !std::env::var("IDEM_FAULTS_RESTART").is_ok_and(|v| v == "1") {
+        row.note = "SKIPPED: IDEM_FAULTS_RESTART=1 lets the suite restart the server".into();
+        return row;
+    }
+    let a = match Proc::server(&db.url, &[("ACQUIRE_MS", "2000")]).await {
+        Ok(a) => a,
+        Err(error) => return row.failed(error),
+    };
+    let keys = 40;
+    let retrying = client(40);
+    let gate = Arc::new(Semaphore::new(4));
+    let mut sent = JoinSet::new();
+    for k in 0..keys {
+        let (retrying, gate, addr) = (retrying.clone(), Arc::clone(&gate), a.addr.clone());
+        sent.spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let key = format!("restart-{k}");
+            let headers = effect_headers(&key, &[("x-sleep-ms", 100)]);
+            (
+                k,
+                post(&retrying, &addr, "/effects", &headers, key.clone()).await,
+            )
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    if let Err(error) = crate::db::restart_server(db.backend).await {
+        row.problems.push(format!("restart: {error}"));
+    }
+    let mut retried = 0;
+    while let Some(joined) = sent.join_next().await {
+        match joined {
+            Ok((k, Ok(answer))) => {
+                row.requests += u64::from(answer.attempts);
+                retried += u64::from(answer.attempts > 1);
+                row.check(answer.status == 201, || {
+                    format!("restart-{k}: {} {}", answer.status, answer.text())
+                });
+            }
+            other => row.problems.push(format!("{other:?}")),
+        }
+    }
+    row.check(retried > 0, || "no request met the restart".into());
+    // Recovered without restarting the app: a new key completes at once.
+    match post(
+        &client(1),
+        &a.addr,
+        "/effects",
+        &effect_headers("restart-after", &[]),
+        "restart-after".into(),
+    )
+    .await
+    {
+        Ok(answer) => {
+            row.requests += 1;
+            row.check(answer.status == 201, || {
+                format!("after the restart: {} {}", answer.status, answer.text())
+            });
+        }
+        Err(error) => row.problems.push(format!("after the restart: {error}")),
+    }
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(keys + 1);
+    row.note = format!("{retried} of {keys} requests retried through the restart");
+    row
+}

@@ -247,3 +247,70 @@ pub async fn restart_server(backend: Backend) -> Result<(), String> {
     }
     Err(format!("{} did not come back within 60 s", backend.name()))
 }
+
+impl Fresh {
+    /// Takes the business table (`effects`) from another session, as a migration or
+    /// a backup would, and holds it for `hold`; returns once it is held.
+    pub async fn lock_effects(
+        &self,
+        hold: std::time::Duration,
+    ) -> Result<tokio::task::JoinHandle<()>, String> {
+        use sqlx::Connection as _;
+        let (held, ready) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let (url, backend) = (self.url.clone(), self.backend);
+        let holder = tokio::spawn(async move {
+            let locked = async {
+                match backend {
+                    Backend::Postgres => {
+                        let mut conn = sqlx::PgConnection::connect(&url).await?;
+                        sqlx::raw_sql("BEGIN; LOCK TABLE effects IN ACCESS EXCLUSIVE MODE")
+                            .execute(&mut conn)
+                            .await?;
+                        Ok::<_, sqlx::Error>(Held::Postgres(conn))
+                    }
+                    Backend::MySql => {
+                        let mut conn = sqlx::MySqlConnection::connect(&url).await?;
+                        sqlx::raw_sql("LOCK TABLES effects WRITE")
+                            .execute(&mut conn)
+                            .await?;
+                        Ok(Held::MySql(conn))
+                    }
+                    Backend::Sqlite => {
+                        let mut conn = sqlx::SqliteConnection::connect(&url).await?;
+                        sqlx::raw_sql("BEGIN EXCLUSIVE").execute(&mut conn).await?;
+                        Ok(Held::Sqlite(conn))
+                    }
+                }
+            };
+            match locked.await {
+                Ok(conn) => {
+                    let _ = held.send(Ok(()));
+                    tokio::time::sleep(hold).await;
+                    let _ = match conn {
+                        Held::Postgres(mut conn) => {
+                            sqlx::raw_sql("COMMIT").execute(&mut conn).await.map(drop)
+                        }
+                        Held::MySql(mut conn) => sqlx::raw_sql("UNLOCK TABLES")
+                            .execute(&mut conn)
+                            .await
+                            .map(drop),
+                        Held::Sqlite(mut conn) => {
+                            sqlx::raw_sql("COMMIT").execute(&mut conn).await.map(drop)
+                        }
+                    };
+                }
+                Err(error) => {
+                    let _ = held.send(Err(error.to_string()));
+                }
+            }
+        });
+        ready.await.map_err(|e| e.to_string())??;
+        Ok(holder)
+    }
+}
+
+enum Held {
+    Postgres(sqlx::PgConnection),
+    MySql(sqlx::MySqlConnection),
+    Sqlite(sqlx::SqliteConnection),
+}

@@ -5,8 +5,8 @@
 //! cargo test --test faults                    # the bounded form CI runs
 //! IDEM_FAULTS=full cargo test --test faults   # more keys, longer storms
 //! IDEM_FAULTS_ONLY=hang cargo test --test faults   # one scenario: crash, hang,
-//!                                                  # killed, pool, storm, hostile
-//!                                                  # or restart
+//!                                                  # killed, locked, pool, storm,
+//!                                                  # hostile or restart
 //! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers
 //! ```
 //!
@@ -58,6 +58,7 @@ enum Scenario {
     PoolExhausted,
     TwoInstances,
     Hostile,
+    TableLocked,
     Restart,
 }
 
@@ -70,6 +71,7 @@ impl Scenario {
             Self::PoolExhausted => "pool",
             Self::TwoInstances => "storm",
             Self::Hostile => "hostile",
+            Self::TableLocked => "locked",
             Self::Restart => "restart",
         }
     }
@@ -99,6 +101,7 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
         Scenario::PoolExhausted => scenarios::pool_exhausted(&db).await,
         Scenario::TwoInstances => scenarios::two_instances(&db, scale).await,
         Scenario::Hostile => scenarios::hostile(&db).await,
+        Scenario::TableLocked => scenarios::table_locked(&db).await,
         Scenario::Restart => scenarios::restart(&db).await,
     };
     db.drop_all().await;
@@ -114,6 +117,7 @@ async fn run() -> ExitCode {
         Scenario::Crash,
         Scenario::Hang,
         Scenario::SessionKilled,
+        Scenario::TableLocked,
         Scenario::PoolExhausted,
         Scenario::TwoInstances,
         Scenario::Hostile,

@@ -942,3 +942,61 @@ pub async fn restart(db: &Fresh) -> Row {
     row.note = format!("{retried} of {keys} requests retried through the restart");
     row
 }
+
+/// Scenario 3d: another session holds the business table locked (a migration, a
+/// backup) for longer than the endpoint's lock: requests meanwhile end in 500 or 503
+/// with their work rolled back and their keys released, and complete once it is free.
+pub async fn table_locked(db: &Fresh) -> Row {
+    let mut row = Row::new("db: table locked by another session", db.backend);
+    // SQLite: give up on the writer lock after 500 ms instead of 30 s.
+    let a = match Proc::server(&db.url, &[("BUSY_MS", "500")]).await {
+        Ok(a) => a,
+        Err(error) => return row.failed(error),
+    };
+    // The table must exist before another session can lock it.
+    if let Err(error) = get_json(&a.addr, "/stats", None).await {
+        return row.failed(error);
+    }
+    let holder = match db.lock_effects(Duration::from_millis(2500)).await {
+        Ok(holder) => holder,
+        Err(error) => return row.failed(format!("lock: {error}")),
+    };
+    let keys: Vec<String> = (0..5).map(|i| format!("locked-{i}")).collect();
+    let mut first = JoinSet::new();
+    for key in &keys {
+        let (once, addr, key) = (client(1), a.addr.clone(), key.clone());
+        first.spawn(async move {
+            let headers = effect_headers(&key, &[("x-lock-ms", 800)]);
+            (
+                key.clone(),
+                post(&once, &addr, "/effects", &headers, key).await,
+            )
+        });
+    }
+    while let Some(joined) = first.join_next().await {
+        row.requests += 1;
+        match joined {
+            Ok((key, Ok(answer))) => row.check(matches!(answer.status, 500 | 503), || {
+                format!("{key} while locked: {} {}", answer.status, answer.text())
+            }),
+            other => row.problems.push(format!("{other:?}")),
+        }
+    }
+    let _ = holder.await;
+    for key in &keys {
+        let headers = effect_headers(key, &[("x-lock-ms", 800)]);
+        match post(&client(10), &a.addr, "/effects", &headers, key.clone()).await {
+            Ok(answer) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(answer.status == 201, || {
+                    format!("{key}: {} {}", answer.status, answer.text())
+                });
+            }
+            Err(error) => row.problems.push(format!("{key}: {error}")),
+        }
+    }
+    stats(&mut row, &a.addr).await;
+    row.expect_effects(keys.len() as u64);
+    row.note = "refused while locked, rolled back; completed once free".into();
+    row
+}

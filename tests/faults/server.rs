@@ -4,7 +4,8 @@
 //!
 //! Environment: `DATABASE_URL`; `POOL` (connections, default 16); `ACQUIRE_MS`
 //! (pool acquire timeout, default 30000); `BODY_LIMIT` (bytes `/small` accepts,
-//! default 1024); `BODY_TIMEOUT_MS` and `MAX_RESPONSE` (the store's settings).
+//! default 1024); `BODY_TIMEOUT_MS` and `MAX_RESPONSE` (the store's settings);
+//! `BUSY_MS` (SQLite's busy timeout, default 30000).
 //! Prints `listening on http://ADDR` first.
 //!
 //! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
@@ -187,10 +188,14 @@ async fn start() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
         serve(pool).await
     } else {
+        let busy = std::env::var("BUSY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::from_secs(30), Duration::from_millis);
         let options = SqliteConnectOptions::from_str(&url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(30));
+            .busy_timeout(busy);
         let pool = SqlitePoolOptions::new()
             .max_connections(size)
             .acquire_timeout(acquire)

@@ -187,6 +187,23 @@ pub async fn post(
     })
 }
 
+/// Waits (up to 20 s) until the server's handler for `note` has made its write.
+pub async fn await_started(addr: &str, note: &str) -> Result<(), String> {
+    let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    for _ in 0..400 {
+        let request = http::Request::get(format!("http://{addr}/started/{note}"))
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        if let Ok(response) = http.request(request).await
+            && response.status() == 200
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(format!("the handler for {note} never started"))
+}
+
 /// GETs a JSON document.
 pub async fn get_json(
     addr: &str,

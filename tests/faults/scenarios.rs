@@ -9,7 +9,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::db::{Backend, Fresh};
-use crate::proc::{Answer, Proc, client, get_json, post};
+use crate::proc::{Answer, Proc, await_started, client, get_json, post};
 
 /// How big a run is: `IDEM_FAULTS=full` for the long form.
 pub struct Scale {
@@ -311,7 +311,9 @@ pub async fn hang(db: &Fresh) -> Row {
         let (once, addr, headers) = (client(1), a.addr.clone(), headers.clone());
         tokio::spawn(async move { post(&once, &addr, "/effects", &headers, "hang-1".into()).await })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    if let Err(error) = await_started(&a.addr, "hang-1").await {
+        return row.failed(error);
+    }
     a.signal("STOP");
     // Past the lock, and past MySQL's whole-second wait_timeout.
     tokio::time::sleep(Duration::from_millis(3500)).await;
@@ -385,7 +387,11 @@ pub async fn session_killed(db: &Fresh) -> Row {
             async move { post(&once, &addr, "/effects", &headers, "killed-1".into()).await },
         )
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Err(error) = await_started(&a.addr, "killed-1").await {
+        return row.failed(error);
+    }
+    // MariaDB's INNODB_TRX is a snapshot up to 0.1 s old.
+    tokio::time::sleep(Duration::from_millis(250)).await;
     let killed = db.kill_open_transactions().await.unwrap_or(0);
     row.check(killed >= 1, || "no open transaction to kill".into());
     row.requests = 1;

@@ -11,16 +11,19 @@
 //! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
 //! `x-wait-ms`, `x-sleep-ms`, `x-big` (response bytes); the body is the note
 //! written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes written
-//! more than once).
+//! more than once), `GET /started/{note}` (200 once a handler writing that note has
+//! made its write, 404 before).
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -32,6 +35,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{MySql, Pool, Postgres, Sqlite};
 
 pub const ROLE: &str = "IDEM_FAULTS_ROLE";
+
+/// Notes whose handler has written them (uncommitted, maybe): the suite waits for
+/// this before it freezes or cuts an executor, so the fault lands mid-transaction.
+static STARTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'a>>;
 
@@ -115,6 +122,11 @@ async fn effect<DB: Effects>(
                 if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
                     return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
                 }
+                if let Ok(mut started) = STARTED.lock() {
+                    started
+                        .get_or_insert_with(HashSet::new)
+                        .insert(note.clone());
+                }
                 tokio::time::sleep(sleep).await;
                 let body =
                     serde_json::json!({ "scope": scope, "note": note, "pad": "x".repeat(big) });
@@ -122,6 +134,17 @@ async fn effect<DB: Effects>(
             })
         })
         .await
+}
+
+async fn started(Path(note): Path<String>) -> StatusCode {
+    let started = STARTED
+        .lock()
+        .is_ok_and(|set| set.as_ref().is_some_and(|set| set.contains(&note)));
+    if started {
+        StatusCode::OK
+    } else {
+        StatusCode::NOT_FOUND
+    }
 }
 
 async fn stats<DB: Effects>(State(store): State<Idempotency<DB>>) -> Response {
@@ -156,6 +179,7 @@ where
             post(effect::<DB>).layer(axum::extract::DefaultBodyLimit::max(limit)),
         )
         .route("/stats", get(stats::<DB>))
+        .route("/started/{note}", get(started))
         .with_state(store);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening on http://{}", listener.local_addr()?);

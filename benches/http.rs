@@ -1,0 +1,804 @@
+//! The price of exactly-once over HTTP, side by side with the alternatives, on
+//! PostgreSQL.
+//!
+//! ```text
+//! cargo bench --bench http                            # 5 s per variant, 32 connections
+//! cargo bench --bench http -- --secs 2 --connections 16
+//! ```
+//!
+//! Every variant serves the same handler (JSON in, one business INSERT in a
+//! transaction, JSON out) from a server process of its own (this binary, re-run
+//! with `IDEM_BENCH_ROLE=server`), driven by the same load: keep-alive HTTP/1.1
+//! connections on loopback, one request in flight each, a one-second warm-up, then
+//! a fixed duration.
+//!
+//! - `bare`: the handler with a sqlx transaction, no idempotency;
+//! - `hand-written`: the floor of idem's PostgreSQL design written by hand behind
+//!   axum: a primary-key read, then claim (advisory try-lock) + write + record in one
+//!   transaction;
+//! - `idem-first`: `#[idempotent]`, every request a new key;
+//! - `idem-replay`: `#[idempotent]`, every request a key already completed;
+//! - `idem-storm`: `#[idempotent]`, keys sent 8 times each by concurrent connections;
+//! - `naive-cache`: the cached-response pattern (look the key up in Redis, run the
+//!   handler, store the response after the fact), with Redis at 127.0.0.1:6379.
+//!
+//! Reported per variant: requests/s, p50/p99 latency, ratio to `bare`, the server
+//! process's CPU time per request and peak RSS, database statements per request
+//! (each one round trip; counted in a separate short pass), and for the storms how
+//! many keys executed more than once. A Markdown table goes to stdout and a bar
+//! chart to `target/idem-bench-http.svg`. Run with no `--bench` argument (as
+//! `cargo test --bench http` does) it takes a short setting, to check that it runs.
+
+#![allow(missing_docs)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::rt::TokioIo;
+use idem::{Idempotency, Tx, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::Mutex;
+
+const ROLE: &str = "IDEM_BENCH_ROLE";
+const STORM_DUPLICATES: u64 = 8;
+const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
+
+// ---------------------------------------------------------------------------------
+// The server
+
+#[derive(Deserialize)]
+struct NewPayment {
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Serialize)]
+struct Payment {
+    id: i64,
+    amount: i64,
+    currency: String,
+}
+
+const INSERT: &str =
+    "INSERT INTO payments (note, amount, currency) VALUES ($1, $2, $3) RETURNING id";
+
+fn key_of(headers: &HeaderMap) -> String {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned()
+}
+
+async fn insert(
+    conn: &mut sqlx::PgConnection,
+    note: &str,
+    new: &NewPayment,
+) -> Result<Payment, sqlx::Error> {
+    let id = sqlx::query_scalar(INSERT)
+        .bind(note)
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(conn)
+        .await?;
+    Ok(Payment {
+        id,
+        amount: new.amount,
+        currency: new.currency.clone(),
+    })
+}
+
+fn failed(error: sqlx::Error) -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
+}
+
+#[derive(Clone)]
+struct App {
+    pool: PgPool,
+    idempotency: Idempotency<Postgres>,
+    redis: Arc<Redis>,
+}
+
+impl axum::extract::FromRef<App> for Idempotency<Postgres> {
+    fn from_ref(app: &App) -> Self {
+        app.idempotency.clone()
+    }
+}
+
+async fn bare(
+    State(app): State<App>,
+    headers: HeaderMap,
+    axum::Json(new): axum::Json<NewPayment>,
+) -> Response {
+    let run = async {
+        let mut tx = app.pool.begin().await?;
+        let payment = insert(&mut tx, &key_of(&headers), &new).await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(payment)
+    };
+    match run.await {
+        Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
+        Err(error) => failed(error),
+    }
+}
+
+#[idempotent(required = true)]
+async fn idem(
+    key: idem::IdempotencyKey,
+    mut tx: Tx<Postgres>,
+    axum::Json(new): axum::Json<NewPayment>,
+) -> Response {
+    match insert(&mut tx, key.as_str(), &new).await {
+        Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
+        Err(error) => failed(error),
+    }
+}
+
+/// The floor of idem's design, by hand: read, then claim + write + record in one
+/// transaction, the claim guarded by a transaction-scoped advisory try-lock.
+async fn hand_written(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let key = key_of(&headers);
+    let run = async {
+        let mut conn = app.pool.acquire().await?;
+        let seen: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = $1",
+        )
+        .bind(&key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if let Some((state, stored)) = seen {
+            let status = if state == "completed" {
+                StatusCode::CREATED
+            } else {
+                StatusCode::CONFLICT
+            };
+            return Ok::<_, sqlx::Error>((status, stored.unwrap_or_default()));
+        }
+        let Ok(new) = serde_json::from_slice::<NewPayment>(&body) else {
+            return Ok((StatusCode::UNPROCESSABLE_ENTITY, Vec::new()));
+        };
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             SELECT '', $1, 'processing', 1, 'POST', '/payments', '\\x00', \
+                 clock_timestamp() + interval '30 seconds', clock_timestamp() + interval '1 day', \
+                 clock_timestamp() \
+             WHERE pg_try_advisory_xact_lock(hashtext($1))",
+        )
+        .bind(&key)
+        .execute(&mut *tx)
+        .await;
+        match claimed {
+            Ok(done) if done.rows_affected() == 1 => {}
+            _ => return Ok((StatusCode::CONFLICT, Vec::new())),
+        }
+        let payment = insert(&mut tx, &key, &new).await?;
+        let out = serde_json::to_vec(&payment).unwrap_or_default();
+        sqlx::query(
+            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
+             WHERE scope = '' AND idempotency_key = $1 AND lease = 1",
+        )
+        .bind(&key)
+        .bind(&out)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok((StatusCode::CREATED, out))
+    };
+    match run.await {
+        Ok((status, body)) => {
+            (status, [("content-type", "application/json")], body).into_response()
+        }
+        Err(error) => failed(error),
+    }
+}
+
+/// The cached-response pattern: look up, run, store after the fact. Two requests
+/// with one key that arrive together both miss, and both run.
+async fn naive_cache(
+    State(app): State<App>,
+    headers: HeaderMap,
+    json: axum::Json<NewPayment>,
+) -> Response {
+    let key = format!("idem:{}", key_of(&headers));
+    match app.redis.command(&[b"GET", key.as_bytes()]).await {
+        Ok(Some(cached)) => {
+            return (
+                StatusCode::CREATED,
+                [("content-type", "application/json")],
+                cached,
+            )
+                .into_response();
+        }
+        Ok(None) => {}
+        Err(error) => return (StatusCode::SERVICE_UNAVAILABLE, error).into_response(),
+    }
+    let response = bare(State(app.clone()), headers, json).await;
+    let (parts, body) = response.into_parts();
+    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    if parts.status.is_success() {
+        let _ = app
+            .redis
+            .command(&[b"SET", key.as_bytes(), &body, b"EX", b"86400"])
+            .await;
+    }
+    Response::from_parts(parts, axum::body::Body::from(body))
+}
+
+/// Statements the server's pool ran while counting was on.
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts sqlx's per-statement events, only while asked to: a disabled check is
+/// one atomic load per statement.
+struct StatementCounter;
+
+impl tracing::Subscriber for StatementCounter {
+    fn register_callsite(
+        &self,
+        meta: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        if meta.target() == "sqlx::query" {
+            tracing::subscriber::Interest::sometimes()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed)
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, _: &tracing::Event<'_>) {
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+async fn counting(State(_): State<App>, body: String) -> String {
+    match body.as_str() {
+        "on" => {
+            STATEMENTS.store(0, Ordering::Relaxed);
+            COUNTING.store(true, Ordering::Relaxed);
+        }
+        _ => COUNTING.store(false, Ordering::Relaxed),
+    }
+    STATEMENTS.load(Ordering::Relaxed).to_string()
+}
+
+async fn stats(State(app): State<App>) -> Response {
+    let counts: Result<(i64, i64), _> = sqlx::query_as(
+        "SELECT count(*), (SELECT count(*) FROM (SELECT note FROM payments GROUP BY note \
+                                               HAVING count(*) > 1) d) FROM payments",
+    )
+    .fetch_one(&app.pool)
+    .await;
+    match counts {
+        Ok((rows, doubled)) => format!("{rows} {doubled}").into_response(),
+        Err(error) => failed(error),
+    }
+}
+
+async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+    let _ = tracing::subscriber::set_global_default(StatementCounter);
+    let url = std::env::var("DATABASE_URL")?;
+    let schema = std::env::var("SCHEMA")?;
+    let size: u32 = std::env::var("POOL")?.parse()?;
+    let options: PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .min_connections(size)
+        .connect_with(options.options([("search_path", schema.as_str())]))
+        .await?;
+    let app = App {
+        idempotency: Idempotency::new(pool.clone()),
+        pool,
+        redis: Arc::new(Redis::new("127.0.0.1:6379", size as usize)),
+    };
+    let handler = match std::env::var("VARIANT")?.as_str() {
+        "bare" => post(bare),
+        "hand-written" => post(hand_written),
+        "naive-cache" => post(naive_cache),
+        _ => post(idem),
+    };
+    let router = Router::new()
+        .route("/payments", handler)
+        .route("/counting", post(counting))
+        .route("/stats", get(stats))
+        .with_state(app);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------
+// Redis, by hand: GET and SET over RESP are all the pattern needs.
+
+struct Redis {
+    addr: &'static str,
+    idle: Mutex<Vec<BufReader<TcpStream>>>,
+}
+
+impl Redis {
+    fn new(addr: &'static str, size: usize) -> Self {
+        Self {
+            addr,
+            idle: Mutex::new(Vec::with_capacity(size)),
+        }
+    }
+
+    /// Runs one command; a bulk-string reply comes back as `Some`, nil as `None`.
+    async fn command(&self, args: &[&[u8]]) -> Result<Option<Vec<u8>>, String> {
+        let idle = self.idle.lock().await.pop();
+        let mut conn = match idle {
+            Some(conn) => conn,
+            None => BufReader::new(
+                TcpStream::connect(self.addr)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        let mut out = format!("*{}\r\n", args.len()).into_bytes();
+        for arg in args {
+            out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+            out.extend_from_slice(arg);
+            out.extend_from_slice(b"\r\n");
+        }
+        conn.get_mut()
+            .write_all(&out)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        conn.read_line(&mut line).await.map_err(|e| e.to_string())?;
+        let reply = match line.as_bytes().first() {
+            Some(b'$') => match line[1..].trim().parse::<i64>() {
+                Ok(len) if len >= 0 => {
+                    let mut value = vec![0; usize::try_from(len).unwrap_or(0) + 2];
+                    conn.read_exact(&mut value)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    value.truncate(value.len() - 2);
+                    Some(value)
+                }
+                _ => None,
+            },
+            Some(b'+' | b':') => None,
+            _ => return Err(format!("redis: {line}")),
+        };
+        self.idle.lock().await.push(conn);
+        Ok(reply)
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The load
+
+struct Settings {
+    secs: u64,
+    connections: usize,
+}
+
+struct Server {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    async fn start(variant: &str, url: &str, schema: &str, pool: usize) -> Server {
+        let exe = std::env::current_exe().expect("bench exe");
+        let mut child = std::process::Command::new(exe)
+            .env(ROLE, "server")
+            .env("VARIANT", variant)
+            .env("DATABASE_URL", url)
+            .env("SCHEMA", schema)
+            .env("POOL", pool.to_string())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("server process");
+        let stdout = child.stdout.take().expect("stdout");
+        let stdout = tokio::process::ChildStdout::from_std(stdout).expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines
+            .next_line()
+            .await
+            .expect("read")
+            .expect("the server exited");
+        let addr = first.split("http://").nth(1).expect("address").to_owned();
+        Server { child, addr }
+    }
+
+    /// CPU seconds the process has used (user + system).
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // Fields after the command name: utime and stime are the 12th and 13th.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        (ticks(11) + ticks(12)) / 100.0
+    }
+
+    /// Peak resident set, MiB.
+    fn peak_rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection.
+struct Conn {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+}
+
+impl Conn {
+    async fn open(addr: &str) -> Conn {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("handshake");
+        tokio::spawn(connection);
+        Conn { sender }
+    }
+
+    async fn post(&mut self, path: &str, key: Option<&str>, body: &'static str) -> (u16, Bytes) {
+        let mut request = http::Request::post(path)
+            .header("host", "bench")
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let request = request
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request");
+        self.sender.ready().await.expect("ready");
+        let response = self.sender.send_request(request).await.expect("response");
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, body)
+    }
+}
+
+/// Which key request `n` of a variant carries; `run` keeps keys apart across runs
+/// (Redis outlives them).
+fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String> {
+    match variant {
+        "bare" => None,
+        "idem-replay" => Some(format!("{run}-replay-{}", n % replay_keys)),
+        "idem-storm" | "naive-cache-storm" => Some(format!("{run}-storm-{}", n / STORM_DUPLICATES)),
+        _ => Some(format!("{run}-first-{n}")),
+    }
+}
+
+struct Row {
+    variant: &'static str,
+    requests: u64,
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+    cpu_us: f64,
+    rss_mib: f64,
+    statements: f64,
+    statuses: HashMap<u16, u64>,
+    doubled: Option<i64>,
+}
+
+async fn run_variant(
+    settings: &Settings,
+    variant: &'static str,
+    serves: &'static str,
+    url: &str,
+    admin: &PgPool,
+) -> Row {
+    let schema = format!(
+        "idem_bench_http_{}_{}",
+        std::process::id(),
+        variant.replace('-', "_")
+    );
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE SCHEMA {schema}; SET search_path = {schema}; \
+         CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL);"
+    )))
+    .execute(admin)
+    .await
+    .expect("schema");
+    let migration = idem::Idempotency::new(admin.clone()).migration_sql();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SET search_path = {schema}; {migration}"
+    )))
+    .execute(admin)
+    .await
+    .expect("migrate");
+    let server = Server::start(serves, url, &schema, settings.connections).await;
+    let path = "/payments";
+
+    // Keys to replay, completed beforehand.
+    let replay_keys = 1000;
+    if variant == "idem-replay" {
+        let mut conn = Conn::open(&server.addr).await;
+        for n in 0..replay_keys {
+            let key = key_for(&schema, variant, n, replay_keys);
+            conn.post(path, key.as_deref(), BODY).await;
+        }
+    }
+
+    // Statements per request, from a short counted pass on keys of its own.
+    let mut conn = Conn::open(&server.addr).await;
+    conn.post("/counting", None, "on").await;
+    let sample = 200;
+    for n in 0..sample {
+        // Replays replay the keys above; the rest use keys of the pass's own.
+        let run = if variant == "idem-replay" {
+            schema.clone()
+        } else {
+            format!("{schema}-count")
+        };
+        let key = key_for(&run, variant, n, replay_keys);
+        conn.post(path, key.as_deref(), BODY).await;
+    }
+    let (_, counted) = conn.post("/counting", None, "off").await;
+    let statements = String::from_utf8_lossy(&counted)
+        .parse::<f64>()
+        .unwrap_or(0.0)
+        / sample as f64;
+
+    let counter = Arc::new(AtomicU64::new(0));
+    let warm_until = Instant::now() + Duration::from_secs(1);
+    let until = warm_until + Duration::from_secs(settings.secs);
+    let workers: Vec<_> = (0..settings.connections)
+        .map(|_| {
+            let (counter, addr, run) = (Arc::clone(&counter), server.addr.clone(), schema.clone());
+            tokio::spawn(async move {
+                let mut conn = Conn::open(&addr).await;
+                let mut latencies = Vec::new();
+                let mut statuses: HashMap<u16, u64> = HashMap::new();
+                loop {
+                    let started = Instant::now();
+                    if started >= until {
+                        break;
+                    }
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    let key = key_for(&run, variant, n, replay_keys);
+                    let (status, _) = conn.post(path, key.as_deref(), BODY).await;
+                    if started >= warm_until {
+                        latencies.push(started.elapsed());
+                        *statuses.entry(status).or_default() += 1;
+                    }
+                }
+                (latencies, statuses)
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(warm_until.into()).await;
+    let cpu_start = server.cpu_seconds();
+    tokio::time::sleep_until(until.into()).await;
+    let cpu_used = server.cpu_seconds() - cpu_start;
+    let mut all = Vec::new();
+    let mut statuses: HashMap<u16, u64> = HashMap::new();
+    for worker in workers {
+        let (latencies, seen) = worker.await.expect("worker");
+        all.extend(latencies);
+        for (status, n) in seen {
+            *statuses.entry(status).or_default() += n;
+        }
+    }
+    all.sort();
+    let pick = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1))];
+    let requests = all.len() as u64;
+    let doubled = if variant.ends_with("storm") {
+        let mut conn = Conn::open(&server.addr).await;
+        let (_, stats) = fetch(&mut conn, "/stats").await;
+        String::from_utf8_lossy(&stats)
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+    } else {
+        None
+    };
+    let row = Row {
+        variant,
+        requests,
+        rate: requests as f64 / settings.secs as f64,
+        p50: pick(0.5),
+        p99: pick(0.99),
+        cpu_us: cpu_used * 1e6 / requests.max(1) as f64,
+        rss_mib: server.peak_rss_mib(),
+        statements,
+        statuses,
+        doubled,
+    };
+    drop(server);
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(admin)
+        .await;
+    row
+}
+
+async fn fetch(conn: &mut Conn, path: &str) -> (u16, Bytes) {
+    let request = http::Request::get(path)
+        .header("host", "bench")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    conn.sender.ready().await.expect("ready");
+    let response = conn.sender.send_request(request).await.expect("response");
+    let status = response.status().as_u16();
+    (
+        status,
+        response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes(),
+    )
+}
+
+fn chart(rows: &[Row]) -> String {
+    let max = rows.iter().map(|r| r.rate).fold(1.0, f64::max);
+    let (bar, gap, left, width) = (28.0, 10.0, 150.0, 520.0);
+    let height = rows.len() as f64 * (bar + gap) + 50.0;
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"13\">\n\
+         <text x=\"10\" y=\"20\" font-weight=\"bold\">idem over HTTP on PostgreSQL: requests/s</text>\n",
+        left + width + 120.0
+    );
+    for (i, row) in rows.iter().enumerate() {
+        let y = 35.0 + i as f64 * (bar + gap);
+        let w = row.rate / max * width;
+        svg.push_str(&format!(
+            "<text x=\"10\" y=\"{}\">{}</text><rect x=\"{left}\" y=\"{y}\" width=\"{w:.1}\" height=\"{bar}\" fill=\"#3b6ea8\"/>\
+             <text x=\"{}\" y=\"{}\">{:.0}</text>\n",
+            y + bar * 0.65,
+            row.variant,
+            left + w + 6.0,
+            y + bar * 0.65,
+            row.rate
+        ));
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn main() {
+    if std::env::var_os(ROLE).is_some() {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        if let Err(error) = runtime.block_on(serve()) {
+            eprintln!("server: {error}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let full = args.iter().any(|a| a == "--bench");
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let settings = Settings {
+        secs: flag("--secs").unwrap_or(if full { 5 } else { 1 }),
+        connections: flag("--connections").map_or(if full { 32 } else { 4 }, |c| c as usize),
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let admin = match PgPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(admin) => admin,
+            Err(error) => {
+                let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+                assert!(!ci, "PostgreSQL not reachable at {url}: {error}");
+                eprintln!("PostgreSQL not reachable at {url} ({error}): skipped");
+                return;
+            }
+        };
+        let redis_up = TcpStream::connect("127.0.0.1:6379").await.is_ok();
+        let mut variants: Vec<(&'static str, &'static str)> = vec![
+            ("bare", "bare"),
+            ("hand-written", "hand-written"),
+            ("idem-first", "idem"),
+            ("idem-replay", "idem"),
+            ("idem-storm", "idem"),
+        ];
+        if redis_up {
+            variants.push(("naive-cache", "naive-cache"));
+            variants.push(("naive-cache-storm", "naive-cache"));
+        } else {
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+            assert!(!ci, "Redis not reachable at 127.0.0.1:6379");
+            eprintln!("Redis not reachable at 127.0.0.1:6379: naive-cache skipped");
+        }
+        let mut rows = Vec::new();
+        for (variant, serves) in variants {
+            rows.push(run_variant(&settings, variant, serves, &url, &admin).await);
+        }
+        let bare = rows.first().map_or(1.0, |r| r.rate);
+        println!(
+            "\n{} connections, {} s per variant after 1 s warm-up; statements counted over 200 requests\n",
+            settings.connections, settings.secs
+        );
+        println!("| variant | requests | req/s | × bare | p50 ms | p99 ms | server CPU µs/req | peak RSS MiB | statements/req | answers | keys run twice |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
+        for row in &rows {
+            let mut statuses: Vec<_> = row.statuses.iter().collect();
+            statuses.sort();
+            let answers = statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect::<Vec<_>>().join(" ");
+            println!(
+                "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.1} | {} | {} |",
+                row.variant,
+                row.requests,
+                row.rate,
+                row.rate / bare,
+                row.p50.as_secs_f64() * 1e3,
+                row.p99.as_secs_f64() * 1e3,
+                row.cpu_us,
+                row.rss_mib,
+                row.statements,
+                answers,
+                row.doubled.map_or("-".to_owned(), |d| d.to_string()),
+            );
+        }
+        let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+        let _ = std::fs::create_dir_all(&target);
+        let svg = target.join("idem-bench-http.svg");
+        match std::fs::write(&svg, chart(&rows)) {
+            Ok(()) => println!("\nchart: {}", svg.display()),
+            Err(error) => eprintln!("chart: {error}"),
+        }
+        // The storm's promise: each key once.
+        let storm = rows.iter().find(|r| r.variant == "idem-storm");
+        assert!(storm.is_none_or(|r| r.doubled == Some(0)), "idem-storm ran a key twice");
+    });
+}

@@ -4,6 +4,7 @@
 //! ```text
 //! cargo bench --bench http                            # 5 s per variant, 32 connections
 //! cargo bench --bench http -- --secs 2 --connections 16
+//! cargo bench --bench http -- --growth              # also with 10^4..10^6 keys stored
 //! ```
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
@@ -523,6 +524,10 @@ fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String>
 
 struct Row {
     variant: &'static str,
+    prefill: u64,
+    /// Rows in the key table at the end, and its size with indexes per million.
+    keys: i64,
+    mib_per_million: Option<f64>,
     requests: u64,
     rate: f64,
     p50: Duration,
@@ -540,9 +545,10 @@ async fn run_variant(
     serves: &'static str,
     url: &str,
     admin: &PgPool,
+    prefill: u64,
 ) -> Row {
     let schema = format!(
-        "idem_bench_http_{}_{}",
+        "idem_bench_http_{}_{}_{prefill}",
         std::process::id(),
         variant.replace('-', "_")
     );
@@ -560,12 +566,35 @@ async fn run_variant(
     .execute(admin)
     .await
     .expect("migrate");
+    // Completed keys already in the table: the ones `idem-replay` replays.
+    if prefill > 0 {
+        let stored = br#"{"id":1,"amount":100,"currency":"JPY"}"#;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {schema}.idempotency_keys (scope, idempotency_key, state, lease, method, \
+                 path, fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             SELECT '', $1 || g, 'completed', g, 'POST', '/payments', $2, 201, \
+                 'content-type: application/json\r\n'::bytea, $3, now(), \
+                 now() + interval '1 day', now() \
+             FROM generate_series(0, $4 - 1) AS g"
+        )))
+        .bind(format!("{schema}-replay-"))
+        .bind(&idem::fingerprint(BODY.as_bytes())[..])
+        .bind(&stored[..])
+        .bind(i64::try_from(prefill).unwrap_or(i64::MAX))
+        .execute(admin)
+        .await
+        .expect("prefill");
+        sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {schema}.idempotency_keys")))
+            .execute(admin)
+            .await
+            .expect("analyze");
+    }
     let server = Server::start(serves, url, &schema, settings.connections).await;
     let path = "/payments";
 
     // Keys to replay, completed beforehand.
-    let replay_keys = 1000;
-    if variant == "idem-replay" {
+    let replay_keys = if prefill > 0 { prefill } else { 1000 };
+    if variant == "idem-replay" && prefill == 0 {
         let mut conn = Conn::open(&server.addr).await;
         for n in 0..replay_keys {
             let key = key_for(&schema, variant, n, replay_keys);
@@ -646,8 +675,18 @@ async fn run_variant(
     } else {
         None
     };
+    let (bytes, keys): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT pg_total_relation_size('{schema}.idempotency_keys'), \
+                (SELECT count(*) FROM {schema}.idempotency_keys)"
+    )))
+    .fetch_one(admin)
+    .await
+    .unwrap_or((0, 0));
     let row = Row {
         variant,
+        prefill,
+        keys,
+        mib_per_million: (keys > 0).then(|| bytes as f64 / 1_048_576.0 / keys as f64 * 1e6),
         requests,
         rate: requests as f64 / settings.secs as f64,
         p50: pick(0.5),
@@ -682,6 +721,33 @@ async fn fetch(conn: &mut Conn, path: &str) -> (u16, Bytes) {
             .expect("body")
             .to_bytes(),
     )
+}
+
+/// idem-first and idem-replay with 10^4, 10^5 and 10^6 completed keys in the table.
+async fn growth(settings: &Settings, url: &str, admin: &PgPool) {
+    let mut rows = Vec::new();
+    for prefill in [10_000, 100_000, 1_000_000] {
+        for variant in ["idem-first", "idem-replay"] {
+            rows.push(run_variant(settings, variant, "idem", url, admin, prefill).await);
+        }
+    }
+    println!("\nGrowth: the same load with completed keys already in the table\n");
+    println!(
+        "| keys before | variant | req/s | p50 ms | p99 ms | keys after | table + indexes, MiB per million keys |"
+    );
+    println!("| ---: | --- | ---: | ---: | ---: | ---: | ---: |");
+    for row in &rows {
+        println!(
+            "| {} | {} | {:.0} | {:.2} | {:.2} | {} | {:.0} |",
+            row.prefill,
+            row.variant,
+            row.rate,
+            row.p50.as_secs_f64() * 1e3,
+            row.p99.as_secs_f64() * 1e3,
+            row.keys,
+            row.mib_per_million.unwrap_or(0.0),
+        );
+    }
 }
 
 fn chart(rows: &[Row]) -> String {
@@ -762,7 +828,7 @@ fn main() {
         }
         let mut rows = Vec::new();
         for (variant, serves) in variants {
-            rows.push(run_variant(&settings, variant, serves, &url, &admin).await);
+            rows.push(run_variant(&settings, variant, serves, &url, &admin, 0).await);
         }
         let bare = rows.first().map_or(1.0, |r| r.rate);
         println!(
@@ -796,6 +862,9 @@ fn main() {
         match std::fs::write(&svg, chart(&rows)) {
             Ok(()) => println!("\nchart: {}", svg.display()),
             Err(error) => eprintln!("chart: {error}"),
+        }
+        if args.iter().any(|a| a == "--growth") {
+            growth(&settings, &url, &admin).await;
         }
         // The storm's promise: each key once.
         let storm = rows.iter().find(|r| r.variant == "idem-storm");

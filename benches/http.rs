@@ -763,8 +763,8 @@ fn chart(rows: &[Row]) -> String {
         let y = 35.0 + i as f64 * (bar + gap);
         let w = row.rate / max * width;
         svg.push_str(&format!(
-            "<text x=\"10\" y=\"{}\">{}</text><rect x=\"{left}\" y=\"{y}\" width=\"{w:.1}\" height=\"{bar}\" fill=\"#3b6ea8\"/>\
-             <text x=\"{}\" y=\"{}\">{:.0}</text>\n",
+            "<text x=\"10\" y=\"{:.1}\">{}</text><rect x=\"{left}\" y=\"{y}\" width=\"{w:.1}\" height=\"{bar}\" fill=\"#3b6ea8\"/>\
+             <text x=\"{:.1}\" y=\"{:.1}\">{:.0}</text>\n",
             y + bar * 0.65,
             row.variant,
             left + w + 6.0,

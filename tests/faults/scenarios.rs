@@ -75,10 +75,29 @@ impl Row {
         });
     }
 
+    /// Counts an answer's attempts and expects it to be 201.
+    fn expect_created(&mut self, what: &str, sent: Result<Answer, String>) {
+        match sent {
+            Ok(answer) => {
+                self.requests += u64::from(answer.attempts);
+                self.check(answer.status == 201, || {
+                    format!("{what}: {} {}", answer.status, answer.text())
+                });
+            }
+            Err(error) => self.problems.push(format!("{what}: {error}")),
+        }
+    }
+
     fn failed(mut self, problem: String) -> Self {
         self.problems.push(problem);
         self
     }
+}
+
+/// What a request cut off by a database fault must get: 500 (the handler's own
+/// database error) or 503 (idem's), as problem+json, never a success.
+fn is_refusal(answer: &Answer) -> bool {
+    matches!(answer.status, 500 | 503) && is_problem_json(answer)
 }
 
 fn is_problem_json(answer: &Answer) -> bool {
@@ -396,7 +415,7 @@ pub async fn session_killed(db: &Fresh) -> Row {
     row.check(killed >= 1, || "no open transaction to kill".into());
     row.requests = 1;
     match first.await {
-        Ok(Ok(answer)) => row.check(answer.status == 503 && is_problem_json(&answer), || {
+        Ok(Ok(answer)) => row.check(is_refusal(&answer), || {
             format!(
                 "the killed executor answered {} {}",
                 answer.status,
@@ -408,19 +427,12 @@ pub async fn session_killed(db: &Fresh) -> Row {
     // The same instance recovers: the retry, and a new key, both complete.
     for (key, extra) in [("killed-1", 1500), ("killed-2", 0)] {
         let headers = effect_headers(key, &[("x-lock-ms", 10_000), ("x-sleep-ms", extra)]);
-        match post(&client(10), &a.addr, "/effects", &headers, key.into()).await {
-            Ok(answer) => {
-                row.requests += u64::from(answer.attempts);
-                row.check(answer.status == 201, || {
-                    format!("{key}: {} {}", answer.status, answer.text())
-                });
-            }
-            Err(error) => row.problems.push(format!("{key}: {error}")),
-        }
+        let sent = post(&client(10), &a.addr, "/effects", &headers, key.into()).await;
+        row.expect_created(key, sent);
     }
     stats(&mut row, &a.addr).await;
     row.expect_effects(2);
-    row.note = format!("{killed} session(s) killed; 503, then recovered without restart");
+    row.note = format!("{killed} session(s) killed; 500/503, then recovered without restart");
     row
 }
 
@@ -461,15 +473,8 @@ pub async fn pool_exhausted(db: &Fresh) -> Row {
     row.check(!refused.is_empty(), || "the pool never ran out".into());
     for key in &refused {
         let headers = effect_headers(key, &[("x-sleep-ms", 800)]);
-        match post(&client(20), &a.addr, "/effects", &headers, key.clone()).await {
-            Ok(answer) => {
-                row.requests += u64::from(answer.attempts);
-                row.check(answer.status == 201, || {
-                    format!("{key}: {} {}", answer.status, answer.text())
-                });
-            }
-            Err(error) => row.problems.push(format!("{key}: {error}")),
-        }
+        let sent = post(&client(20), &a.addr, "/effects", &headers, key.clone()).await;
+        row.expect_created(key, sent);
     }
     stats(&mut row, &a.addr).await;
     row.expect_effects(keys.len() as u64);
@@ -927,15 +932,13 @@ pub async fn restart(db: &Fresh) -> Row {
                 retried += 1;
                 row.requests += 1;
                 match &first {
-                    Ok(answer) => {
-                        row.check(answer.status == 503 && is_problem_json(answer), || {
-                            format!(
-                                "restart-{k} in the outage: {} {}",
-                                answer.status,
-                                answer.text()
-                            )
-                        })
-                    }
+                    Ok(answer) => row.check(is_refusal(answer), || {
+                        format!(
+                            "restart-{k} in the outage: {} {}",
+                            answer.status,
+                            answer.text()
+                        )
+                    }),
                     Err(error) => row.problems.push(format!("restart-{k}: {error}")),
                 }
                 again
@@ -972,8 +975,9 @@ pub async fn restart(db: &Fresh) -> Row {
     }
     stats(&mut row, &a.addr).await;
     row.expect_effects(keys + 1);
-    row.note =
-        format!("{retried} of {keys} keys answered 503 problem+json in the outage, then completed");
+    row.note = format!(
+        "{retried} of {keys} keys answered 500/503 problem+json in the outage, then completed"
+    );
     row
 }
 
@@ -1010,7 +1014,7 @@ pub async fn table_locked(db: &Fresh) -> Row {
     while let Some(joined) = first.join_next().await {
         row.requests += 1;
         match joined {
-            Ok((key, Ok(answer))) => row.check(matches!(answer.status, 500 | 503), || {
+            Ok((key, Ok(answer))) => row.check(is_refusal(&answer), || {
                 format!("{key} while locked: {} {}", answer.status, answer.text())
             }),
             other => row.problems.push(format!("{other:?}")),
@@ -1019,15 +1023,8 @@ pub async fn table_locked(db: &Fresh) -> Row {
     let _ = holder.await;
     for key in &keys {
         let headers = effect_headers(key, &[("x-lock-ms", 800)]);
-        match post(&client(10), &a.addr, "/effects", &headers, key.clone()).await {
-            Ok(answer) => {
-                row.requests += u64::from(answer.attempts);
-                row.check(answer.status == 201, || {
-                    format!("{key}: {} {}", answer.status, answer.text())
-                });
-            }
-            Err(error) => row.problems.push(format!("{key}: {error}")),
-        }
+        let sent = post(&client(10), &a.addr, "/effects", &headers, key.clone()).await;
+        row.expect_created(key, sent);
     }
     stats(&mut row, &a.addr).await;
     row.expect_effects(keys.len() as u64);

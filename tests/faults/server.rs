@@ -87,6 +87,23 @@ effects!(
     "INSERT INTO effects (note) VALUES (?1)"
 );
 
+/// How this app answers its own database failures: 500 problem+json, as a careful
+/// application would (idem then rolls the work back and releases the key).
+fn database_error(error: &sqlx::Error) -> Response {
+    let body = serde_json::json!({
+        "type": "urn:faults:database",
+        "title": "Database error",
+        "status": 500,
+        "detail": error.to_string(),
+    });
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        [("content-type", "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
 fn number(headers: &HeaderMap, name: &str) -> u64 {
     headers
         .get(name)
@@ -120,7 +137,7 @@ async fn effect<DB: Effects>(
             Box::pin(async move {
                 // Per scope: the same body under two scopes is two notes.
                 if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
-                    return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
+                    return database_error(&error);
                 }
                 if let Ok(mut started) = STARTED.lock() {
                     started

@@ -27,6 +27,9 @@ pub struct Identity<'a> {
     pub method: &'a str,
     pub path: &'a str,
     pub fingerprint: &'a [u8; 32],
+    /// SHA-256 of (table, scope, key), computed once: the seed of the backends'
+    /// locks and of `wait`'s signal.
+    pub digest: [u8; 32],
 }
 
 /// What a lookup found under (scope, key).

@@ -24,7 +24,7 @@ use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
-use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, signal_of};
+use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 
 /// The transaction a handler writes through; the response is recorded in it.
@@ -372,8 +372,9 @@ impl<DB: Backend> Idempotency<DB> {
             method: request.method.as_str(),
             path: &request.path,
             fingerprint: &request.fingerprint,
+            digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
         };
-        let signal = signal_of(&self.inner.table, id.scope, id.key);
+        let signal = signal_of(&id.digest);
         let wait = options.wait_duration();
         // Subscribed before the first look, so an announcement between a look and
         // the wait that follows it is not lost.

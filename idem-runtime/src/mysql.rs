@@ -12,7 +12,6 @@ use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
 use crate::key::to_hex;
-use crate::signal::key_digest;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
 const LOCK_NAME: &str =
@@ -21,7 +20,6 @@ const LOCK_NAME: &str =
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
-    table: Arc<str>,
     lookup: Arc<str>,
     claim_new: Arc<str>,
     claim_over: Arc<str>,
@@ -45,7 +43,6 @@ impl Store for MySql {
              ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, {LOCK_NAME} AS lock_name"
         );
         Sql {
-            table: table.into(),
             lookup: format!(
                 "SELECT state, method, path, fingerprint, CAST(status AS SIGNED) AS status, headers, body, \
                         CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
@@ -155,7 +152,7 @@ impl Store for MySql {
         let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
         let claimed = claim
             .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
-            .bind(lock_seed(&sql.table, id))
+            .bind(lock_seed(id))
             .execute(&mut *tx)
             .await;
         let lost = match claimed {
@@ -204,7 +201,7 @@ impl Store for MySql {
     ) -> Result<Option<i64>, sqlx::Error> {
         sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
             .bind(lock_ms)
-            .bind(lock_seed(&sql.table, id))
+            .bind(lock_seed(id))
             .fetch_optional(conn)
             .await
     }
@@ -262,7 +259,7 @@ async fn finish(
     id: &Identity<'_>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(AssertSqlSafe(sql.finish.clone()))
-        .bind(lock_seed(&sql.table, id))
+        .bind(lock_seed(id))
         .execute(conn)
         .await?;
     Ok(())
@@ -270,6 +267,6 @@ async fn finish(
 
 /// Hex SHA-256 over (table, scope, key); the SQL mixes in the database name and
 /// keeps 40 hex digits, within MySQL's 64-character limit on lock names.
-fn lock_seed(table: &str, id: &Identity<'_>) -> String {
-    to_hex(&key_digest(table, id.scope, id.key))
+fn lock_seed(id: &Identity<'_>) -> String {
+    to_hex(&id.digest)
 }

@@ -44,7 +44,6 @@ const LOCK_LEFT: &str = "SELECT ($2 - coalesce((extract(epoch FROM clock_timesta
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
-    table: Arc<str>,
     lookup: Arc<str>,
     claim_new: Arc<str>,
     claim_over: Arc<str>,
@@ -90,7 +89,6 @@ impl Store for Postgres {
         );
         Sql {
             lock,
-            table: table.into(),
             lookup: format!(
                 "SELECT state, method, path, fingerprint, status::int8 AS status, headers, body, \
                         (locked_until > clock_timestamp())::int::int8 AS live, \
@@ -183,14 +181,14 @@ impl Store for Postgres {
         let claimed = match &sql.lock {
             None => {
                 query
-                    .bind(advisory_key(&sql.table, id))
+                    .bind(advisory_key(id))
                     .bind(timeout)
                     .fetch_optional(&mut *tx)
                     .await
             }
             Some(lock) => {
                 let locked: bool = sqlx::query_scalar(AssertSqlSafe(lock.clone()))
-                    .bind(advisory_key(&sql.table, id))
+                    .bind(advisory_key(id))
                     .bind(timeout)
                     .fetch_one(&mut *tx)
                     .await?;
@@ -259,12 +257,12 @@ impl Store for Postgres {
 
     async fn idem_lock_left(
         conn: &mut PgConnection,
-        sql: &Sql,
+        _sql: &Sql,
         id: &Identity<'_>,
         lock_ms: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
         sqlx::query_scalar(LOCK_LEFT)
-            .bind(advisory_key(&sql.table, id))
+            .bind(advisory_key(id))
             .bind(lock_ms)
             .fetch_optional(conn)
             .await
@@ -323,8 +321,8 @@ impl Store for Postgres {
 /// The seed of the advisory lock taken with a claim: the key's 64-bit signal; the
 /// SQL mixes in the schema. A collision between two live keys only makes one of
 /// them answer 409 for a moment.
-fn advisory_key(table: &str, id: &Identity<'_>) -> i64 {
-    i64::from_be_bytes(signal_of(table, id.scope, id.key).to_be_bytes())
+fn advisory_key(id: &Identity<'_>) -> i64 {
+    i64::from_be_bytes(signal_of(&id.digest).to_be_bytes())
 }
 
 /// The channel completions of waiting endpoints are announced on; the payload is the
@@ -550,6 +548,7 @@ mod tests {
                 method: "POST",
                 path: "/p",
                 fingerprint: &fingerprint,
+                digest: crate::signal::key_digest("idempotency_keys", "s", "k"),
             };
             let options = Options::new();
             let claim = Claim {
@@ -620,7 +619,7 @@ mod tests {
             );
             let response = first.execute(request, waiting, done).await;
             assert_eq!(response.status(), 200);
-            let signal = signal_of("idempotency_keys", "s", &key);
+            let signal = signal_of(&crate::signal::key_digest("idempotency_keys", "s", &key));
             let heard_it = tokio::time::timeout(std::time::Duration::from_millis(500), async {
                 while heard.recv().await != Ok(signal) {}
             })

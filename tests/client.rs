@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -37,6 +38,8 @@ struct App {
     /// Completed executions whose response is lost on the way back (the proxy
     /// answers 502 although the payment committed).
     lose: Arc<AtomicU32>,
+    /// Told when `slow` has written, so a test knows the key is held.
+    started: Arc<tokio::sync::Notify>,
 }
 
 impl axum::extract::FromRef<App> for Idempotency<Sqlite> {
@@ -66,11 +69,12 @@ async fn pay(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Respon
 }
 
 #[idempotent(lock = "2s")]
-async fn slow(mut tx: Tx<Sqlite>, body: String) -> Response {
+async fn slow(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Response {
     let inserted = sqlx::query("INSERT INTO payments (body) VALUES (?1)")
         .bind(&body)
         .execute(&mut *tx)
         .await;
+    app.started.notify_one();
     tokio::time::sleep(Duration::from_millis(800)).await;
     match inserted {
         Ok(_) => (StatusCode::CREATED, "slow").into_response(),
@@ -140,6 +144,7 @@ impl Server {
             store,
             fail: Arc::default(),
             lose: Arc::default(),
+            started: Arc::default(),
         };
         Self { app, pool, path }
     }
@@ -184,7 +189,11 @@ struct Answer {
     receipt: Receipt,
 }
 
-async fn post_to(client: &mut Http, addr: &str, path: &str, body: &str) -> Answer {
+async fn post_to<S>(client: &mut S, addr: &str, path: &str, body: &str) -> Answer
+where
+    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<Incoming>>,
+    S::Error: std::fmt::Debug,
+{
     let request = http::Request::post(format!("http://{addr}{path}"))
         .body(Full::new(Bytes::from(body.to_owned())))
         .expect("request");
@@ -222,26 +231,36 @@ async fn listen() -> (tokio::net::TcpListener, String) {
     (listener, addr)
 }
 
-/// The server is not up yet: connection refused, retried until it is.
+/// The server is not up yet: the first attempt is refused, and the server comes
+/// up just before the second, whatever pause the jitter picked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_errors_are_retried_until_the_server_answers() {
     let server = Server::new().await;
     let (listener, addr) = listen().await;
     // Nothing accepts on `addr` until the listener is re-bound below.
     drop(listener);
-    let later = {
-        let addr = addr.clone();
-        async move {
-            tokio::time::sleep(Duration::from_millis(150)).await;
-            tokio::net::TcpListener::bind(&addr).await.expect("rebind")
+    let router = server.router();
+    let sent = Arc::new(AtomicU32::new(0));
+    let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let inner = tower::service_fn({
+        let (addr, sent) = (addr.clone(), sent.clone());
+        move |request: http::Request<Full<Bytes>>| {
+            let (http, router, addr, sent) =
+                (http.clone(), router.clone(), addr.clone(), sent.clone());
+            async move {
+                if sent.fetch_add(1, Ordering::SeqCst) == 1 {
+                    let listener = tokio::net::TcpListener::bind(&addr).await.expect("rebind");
+                    tokio::spawn(async move { axum::serve(listener, router).await });
+                }
+                http.request(request).await
+            }
         }
-    };
-    let mut http = client(quick());
-    let (answer, ()) = tokio::join!(post_to(&mut http, &addr, "/pay", "a"), async {
-        server.serve(later.await);
     });
+    let mut retrying = RetryLayer::new(quick()).layer(inner);
+    let answer = post_to(&mut retrying, &addr, "/pay", "a").await;
     assert_eq!(answer.status, 201);
-    assert!(answer.receipt.attempts() > 1, "{:?}", answer.receipt);
+    assert_eq!(answer.receipt.attempts(), 2, "{:?}", answer.receipt);
+    assert_eq!(sent.load(Ordering::SeqCst), 2);
     assert!(!answer.receipt.replayed());
     assert_eq!(server.payments().await, 1);
 }
@@ -312,7 +331,7 @@ async fn conflicts_are_retried_after_their_retry_after() {
             plain.ready().await.expect("ready").call(request).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.app.started.notified().await;
     let mut http = client(quick());
     let request = http::Request::post(format!("http://{addr}/slow"))
         .header("idempotency-key", key)

@@ -53,7 +53,7 @@ impl Found {
     /// `method`, `path` as text; `fingerprint`, `headers`, `body` as bytes; `status`,
     /// `live`, `fresh` as 64-bit integers.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
-    fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
+    pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
     where
         R: sqlx::Row,
         for<'a> &'a str: sqlx::ColumnIndex<R>,
@@ -151,6 +151,43 @@ impl Claim {
     }
 }
 
+/// What the first look at (scope, key) came to.
+pub enum Opened<'c, DB: Database> {
+    /// The key was free and is claimed: the transaction the handler runs in.
+    Claimed(Transaction<'c, DB>),
+    /// A row is stored under the key; no transaction is left open.
+    Found(Found),
+    /// The key looked free, but another executor holds it or completed it meanwhile.
+    Lost,
+}
+
+impl<DB: Database> Opened<'_, DB> {
+    /// What was found stored; a claim's transaction is dropped (rolled back).
+    pub(crate) fn found(self) -> Option<Found> {
+        match self {
+            Self::Found(found) => Some(found),
+            Self::Claimed(_) | Self::Lost => None,
+        }
+    }
+}
+
+/// Reads (scope, key) outside any transaction, and claims it only if absent: one
+/// round trip for a key that is stored, an extra one for a new key.
+pub(crate) async fn look_then_claim<'c, DB: sealed::Store>(
+    conn: &'c mut DB::Connection,
+    sql: &'c DB::IdemSql,
+    id: &'c Identity<'c>,
+    claim: Claim,
+) -> Result<Opened<'c, DB>, sqlx::Error> {
+    if let Some(found) = DB::idem_lookup(&mut *conn, sql, id).await? {
+        return Ok(Opened::Found(found));
+    }
+    Ok(match DB::idem_claim(conn, sql, id, claim).await? {
+        Some(tx) => Opened::Claimed(tx),
+        None => Opened::Lost,
+    })
+}
+
 /// A response ready to be recorded.
 pub struct Recorded<'a> {
     pub status: i32,
@@ -204,6 +241,22 @@ pub mod sealed {
             id: &'c Identity<'c>,
             claim: Claim,
         ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
+
+        /// Claims (scope, key) if it is free (`claim.replace` is `false`), else
+        /// reports what is stored. `read_first`: the key is probably stored, so a
+        /// backend that can claim in the statement that reads should not, since that
+        /// needs a transaction a replay does not. By default [`look_then_claim`].
+        #[doc(hidden)]
+        fn idem_open<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            id: &'c Identity<'c>,
+            claim: Claim,
+            read_first: bool,
+        ) -> impl Future<Output = Result<Opened<'c, Self>, sqlx::Error>> + Send + 'c {
+            let _ = read_first;
+            look_then_claim(conn, sql, id, claim)
+        }
 
         /// Opens the transaction for a request that carries no key.
         #[doc(hidden)]

@@ -19,7 +19,7 @@ use sqlx::{Database, Transaction};
 use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
-use crate::backend::{Backend, Claim, Found, Identity, Recorded};
+use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -422,29 +422,44 @@ impl<DB: Backend> Idempotency<DB> {
             Err(error) => return self.store_failed(&error).into(),
         };
         let sql = &self.inner.sql;
-        let (replace, takeover) = match DB::idem_lookup(&mut conn, sql, id).await {
-            Ok(found) => match self.decide(found, id) {
-                Decision::Claim { replace, takeover } => (replace, takeover),
-                Decision::Answer(outcome, response) => return Step::Done(outcome, response),
-                Decision::InFlight => return Step::InFlight(handler),
-            },
-            Err(error) => return self.store_failed(&error).into(),
-        };
-
         let lease = new_lease();
         let claim = Claim {
             lease,
             lock_ms: options.lock_millis(),
             ttl_ms: options.ttl_millis(),
-            replace,
+            replace: false,
         };
-        let mut tx = match DB::idem_claim(&mut conn, sql, id, claim).await {
-            Ok(Some(tx)) => tx,
+        // A key this store saw lately is probably completed: read it first, outside
+        // a transaction. Any other is probably new: claimed as it is read.
+        let read_first = self.inner.seen.check_in(signal);
+        let (mut tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
+            Ok(Opened::Claimed(tx)) => (tx, false),
             // `other` takes the whole result, so `conn` is free again below.
-            other => {
-                let error = other.err();
-                return self.claim_lost(&mut conn, id, lease, error, handler).await;
-            }
+            other => match other.map(Opened::found) {
+                Ok(Some(found)) => {
+                    let (replace, takeover) = match self.decide(Some(found), id) {
+                        Decision::Claim { replace, takeover } => (replace, takeover),
+                        Decision::Answer(outcome, response) => {
+                            return Step::Done(outcome, response);
+                        }
+                        Decision::InFlight => return Step::InFlight(handler),
+                    };
+                    let claim = Claim { replace, ..claim };
+                    match DB::idem_claim(&mut conn, sql, id, claim).await {
+                        Ok(Some(tx)) => (tx, takeover),
+                        other => {
+                            let error = other.err();
+                            return self.claim_lost(&mut conn, id, lease, error, handler).await;
+                        }
+                    }
+                }
+                Ok(None) => return self.claim_lost(&mut conn, id, lease, None, handler).await,
+                Err(error) => {
+                    return self
+                        .claim_lost(&mut conn, id, lease, Some(error), handler)
+                        .await;
+                }
+            },
         };
         if takeover {
             tracing::info!("taking over a claim whose lock had passed");

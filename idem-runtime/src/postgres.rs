@@ -13,7 +13,7 @@ use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Opened, Recorded, look_then_claim, sealed::Store};
 use crate::signal::signal_of;
 use crate::store::Idempotency;
 
@@ -54,6 +54,8 @@ pub struct Sql {
     /// Partitioned layout only: the lock, taken in a statement of its own so that
     /// the claim's check for an existing row reads after it.
     lock: Option<Arc<str>>,
+    /// Plain layout only: the lookup that also claims the key when it finds nothing.
+    open: Option<Arc<str>>,
 }
 
 impl Store for Postgres {
@@ -82,6 +84,32 @@ impl Store for Postgres {
             let guard = lock_and_timeouts("$9", "$10");
             (guard.clone(), guard, None)
         };
+        let columns = "state, method, path, fingerprint, status::int8 AS status, headers, body, \
+                       (locked_until > clock_timestamp())::int::int8 AS live, \
+                       (expires_at > clock_timestamp())::int::int8 AS fresh";
+        let lookup =
+            format!("SELECT {columns} FROM {table} WHERE scope = $1 AND idempotency_key = $2");
+        let insert = format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                    fingerprint, locked_until, expires_at, created_at) \
+             SELECT $1, $2, 'processing', $3, $4, $5, $6, \
+                    clock_timestamp() + $7::float8 * interval '1 millisecond', \
+                    clock_timestamp() + $8::float8 * interval '1 millisecond', \
+                    clock_timestamp()"
+        );
+        // The lock is tried only when nothing is stored, so a replay takes none.
+        let open = (!partitioned).then(|| {
+            let guard = lock_and_timeouts("$9", "$10");
+            format!(
+                "WITH found AS MATERIALIZED ({lookup}), \
+                 claimed AS ({insert} \
+                    WHERE CASE WHEN EXISTS (SELECT 1 FROM found) THEN false ELSE {guard} END \
+                    RETURNING lease) \
+                 SELECT (SELECT lease FROM claimed) AS claimed, found.* \
+                 FROM (VALUES (1)) AS one (x) LEFT JOIN found ON true"
+            )
+            .into()
+        });
         let record = format!(
             "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
              WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
@@ -89,24 +117,9 @@ impl Store for Postgres {
         );
         Sql {
             lock,
-            lookup: format!(
-                "SELECT state, method, path, fingerprint, status::int8 AS status, headers, body, \
-                        (locked_until > clock_timestamp())::int::int8 AS live, \
-                        (expires_at > clock_timestamp())::int::int8 AS fresh \
-                 FROM {table} WHERE scope = $1 AND idempotency_key = $2"
-            )
-            .into(),
-            claim_new: format!(
-                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                        fingerprint, locked_until, expires_at, created_at) \
-                 SELECT $1, $2, 'processing', $3, $4, $5, $6, \
-                        clock_timestamp() + $7::float8 * interval '1 millisecond', \
-                        clock_timestamp() + $8::float8 * interval '1 millisecond', \
-                        clock_timestamp() \
-                 WHERE {new_guard} \
-                 RETURNING lease"
-            )
-            .into(),
+            open,
+            lookup: lookup.into(),
+            claim_new: format!("{insert} WHERE {new_guard} RETURNING lease").into(),
             claim_over: format!(
                 "UPDATE {table} SET state = 'processing', lease = $3, method = $4, path = $5, \
                         fingerprint = $6, status = NULL, headers = NULL, body = NULL, \
@@ -211,6 +224,46 @@ impl Store for Postgres {
             }
             Err(error) => Err(error),
         }
+    }
+
+    async fn idem_open<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        claim: Claim,
+        read_first: bool,
+    ) -> Result<Opened<'c, Postgres>, sqlx::Error> {
+        let Some(open) = sql.open.as_ref().filter(|_| !read_first) else {
+            return look_then_claim(conn, sql, id, claim).await;
+        };
+        let mut tx = conn.begin().await?;
+        let row = claim
+            .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
+            .bind(advisory_key(id))
+            .bind(claim.lock_ms.to_string())
+            .fetch_one(&mut *tx)
+            .await;
+        let row = match row {
+            Ok(row) => row,
+            // A claim committed since this statement's snapshot: the race was lost.
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+                tx.rollback().await?;
+                return Ok(Opened::Lost);
+            }
+            Err(error) => return Err(error),
+        };
+        if row.try_get::<Option<i64>, _>("claimed")?.is_some() {
+            return Ok(Opened::Claimed(tx));
+        }
+        // Nothing was written: the rollback goes out at the connection's next use
+        // (for a replay, the pool's check on release, after the answer) instead of
+        // delaying the answer.
+        drop(tx);
+        if row.try_get::<Option<String>, _>("state")?.is_none() {
+            // Not visible yet, and the lock is taken: another executor is at work.
+            return Ok(Opened::Lost);
+        }
+        Found::decode(&row).map(Opened::Found)
     }
 
     async fn idem_begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {

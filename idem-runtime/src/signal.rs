@@ -10,6 +10,7 @@
 //! [`Options::wait`]: crate::Options::wait
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -55,6 +56,33 @@ impl Signals {
     pub(crate) fn watch_once(&self) -> Option<(broadcast::WeakSender<u64>, oneshot::Receiver<()>)> {
         let stopped = self.stopped.lock().ok()?.take()?;
         Some((self.sender.downgrade(), stopped))
+    }
+}
+
+/// Slots of [`Seen`]: 128 KiB per store.
+const SEEN_SLOTS: usize = 1 << 14;
+
+/// The signals of keys this store handled lately, one per slot, the newest
+/// winning: a hint for the order of statements only, never for an answer. A key
+/// seen before is probably completed, so it is read first, outside any
+/// transaction; an unseen one is probably new, so it is claimed in the statement
+/// that reads it. A wrong guess costs a round trip.
+pub(crate) struct Seen {
+    slots: Box<[AtomicU64]>,
+}
+
+impl Seen {
+    pub(crate) fn new() -> Self {
+        Self {
+            slots: (0..SEEN_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Notes `signal`; `true` if it was already noted and not pushed out since.
+    pub(crate) fn check_in(&self, signal: u64) -> bool {
+        // Low bits pick the slot; the whole signal is compared.
+        let slot = &self.slots[(signal as usize) & (SEEN_SLOTS - 1)];
+        slot.swap(signal, Ordering::Relaxed) == signal
     }
 }
 
@@ -107,6 +135,19 @@ mod tests {
         assert_ne!(signal("t", "ab", "c"), signal("t", "a", "bc"));
         assert_ne!(signal("t1", "a", "b"), signal("t2", "a", "b"));
         assert_eq!(signal("t", "a", "b"), signal("t", "a", "b"));
+    }
+
+    #[test]
+    fn seen_keys_are_recognised_until_pushed_out() {
+        let seen = Seen::new();
+        let key = signal_of(&key_digest("t", "", "order-1"));
+        assert!(!seen.check_in(key), "new");
+        assert!(seen.check_in(key), "seen");
+        // Another signal in the same slot pushes it out.
+        let neighbour = key ^ (1 << 40);
+        assert!(!seen.check_in(neighbour));
+        assert!(!seen.check_in(key), "pushed out");
+        assert!(seen.check_in(key));
     }
 
     #[tokio::test]

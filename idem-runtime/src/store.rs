@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::backend::Backend;
-use crate::signal::Signals;
+use crate::signal::{Seen, Signals};
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
@@ -53,6 +53,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) partitioned: bool,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
+    pub(crate) seen: Seen,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -249,6 +250,7 @@ impl<DB: Backend> Builder<DB> {
                 partitioned: self.partitioned,
                 sql,
                 signals: Signals::new(),
+                seen: Seen::new(),
             }),
         }
     }

@@ -70,6 +70,11 @@ impl<H: Harness> FromRef<App<H>> for Idempotency<H::DB> {
 }
 
 pub fn router<H: Harness>(harness: &H) -> Router {
+    router_on::<H>(harness.store().clone())
+}
+
+/// The same app on a store of its own: another instance, sharing the database.
+pub fn router_on<H: Harness>(store: Idempotency<H::DB>) -> Router {
     Router::new()
         .route("/effects", post(effect::<H>).put(effect::<H>))
         .route("/other", post(effect::<H>))
@@ -77,9 +82,7 @@ pub fn router<H: Harness>(harness: &H) -> Router {
             "/small",
             post(effect::<H>).layer(axum::extract::DefaultBodyLimit::max(1024)),
         )
-        .with_state(App::<H> {
-            store: harness.store().clone(),
-        })
+        .with_state(App::<H> { store })
 }
 
 fn number(headers: &HeaderMap, name: &str) -> u64 {

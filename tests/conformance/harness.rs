@@ -40,6 +40,15 @@ pub trait Harness: Send + Sync + Sized + 'static {
 
     fn store(&self) -> &Idempotency<Self::DB>;
 
+    /// A store on the same database and table: another app instance, which has
+    /// seen none of this one's keys.
+    fn another_instance(&self) -> Idempotency<Self::DB> {
+        Idempotency::builder(self.store().pool().clone())
+            .max_response_bytes(self.store().max_response_bytes())
+            .build()
+            .expect("another instance")
+    }
+
     /// The business write a handler makes: one row in `effects`, returning its id.
     fn insert_effect<'a>(
         tx: &'a mut Tx<'_, Self::DB>,
@@ -212,6 +221,15 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     fn store(&self) -> &Idempotency<Postgres> {
         &self.store
+    }
+
+    fn another_instance(&self) -> Idempotency<Postgres> {
+        let mut builder = Idempotency::builder(self.pool.clone())
+            .max_response_bytes(self.store.max_response_bytes());
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        builder.build().expect("another instance")
     }
 
     fn insert_effect<'a>(

@@ -234,6 +234,72 @@ async fn waiting_duplicates_all_get_the_response<H: Harness>() {
     h.finish().await;
 }
 
+/// I1 across instances: each answers from the rows alone, whatever it saw itself.
+/// A key held by one is 409 on another, one completed by one is replayed byte for
+/// byte by another, and duplicates spread over three instances execute once.
+async fn instances_share_keys<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let one = router(&h);
+    let two = app::router_on::<H>(h.another_instance());
+    let three = app::router_on::<H>(h.another_instance());
+
+    let key = format!("k-shared-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY).header("x-lock-ms", 20_000);
+    let first = {
+        let (app, req) = (one.clone(), req.clone().header("x-gate", &key));
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    await_started(&key).await;
+    assert_in_flight_for(&send(&two, &req).await, 20);
+    app::open_gate(&key);
+    let first = first.await.expect("first request");
+    assert_eq!(first.outcome, Some(Outcome::Executed), "{}", first.text());
+    let replay = send(&three, &req).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), first.header("location"));
+    let other_body = Req::post("alice", &key, r#"{"amount":999,"currency":"JPY"}"#);
+    assert_eq!(send(&two, &other_body).await.status, 422);
+    assert_eq!(h.effects("alice").await, 1);
+
+    // 10 keys × 12 duplicates, released together, spread over the instances, each
+    // waiting for whoever executes: one execution per key, one answer per key.
+    let apps = [one, two, three];
+    let barrier = Arc::new(Barrier::new(120));
+    let mut requests = tokio::task::JoinSet::new();
+    for n in 0..120 {
+        let key = format!("k-spread-{n_key}-{key}", n_key = n % 10);
+        let req = Req::post("bob", &key, BODY)
+            .header("x-wait-ms", 20_000)
+            .header("x-lock-ms", 25_000);
+        let (app, barrier) = (apps[n % 3].clone(), Arc::clone(&barrier));
+        requests.spawn(async move {
+            barrier.wait().await;
+            (key, send(&app, &req).await)
+        });
+    }
+    let mut answers: std::collections::HashMap<String, Vec<Got>> = Default::default();
+    while let Some(done) = requests.join_next().await {
+        let (key, got) = done.expect("request");
+        answers.entry(key).or_default().push(got);
+    }
+    assert_eq!(answers.len(), 10);
+    for (key, got) in &answers {
+        let executed: Vec<_> = got
+            .iter()
+            .filter(|g| g.outcome == Some(Outcome::Executed))
+            .collect();
+        assert_eq!(executed.len(), 1, "{key}: {got:?}");
+        for g in got {
+            assert_eq!(g.status, 201, "{key}: {}", g.text());
+            assert_eq!(g.body, executed[0].body, "{key}");
+        }
+    }
+    assert_eq!(h.effects("bob").await, 10, "one execution per key");
+    h.finish().await;
+}
+
 /// `wait` is a bound: a duplicate still waiting when it passes is answered 409,
 /// with `Retry-After` from what is left of the holder's lock.
 async fn waiting_ends_in_409_at_its_bound<H: Harness>() {
@@ -1058,6 +1124,7 @@ conformance!(
     waiting_duplicates_all_get_the_response,
     waiting_ends_in_409_at_its_bound,
     waiting_duplicates_take_over_a_failed_first,
+    instances_share_keys,
     ttl_header_is_recorded_and_replayed,
     replay_is_byte_identical_without_cookies,
     mismatch_is_refused_and_record_untouched,

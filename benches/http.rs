@@ -25,7 +25,10 @@
 //!   when another instance served it);
 //! - `idem-storm`: `#[idempotent]`, keys sent 8 times each by concurrent connections;
 //! - `naive-cache`: the cached-response pattern (look the key up in Redis, run the
-//!   handler, store the response after the fact), with Redis at 127.0.0.1:6379.
+//!   handler, store the response after the fact), with Redis at 127.0.0.1:6379;
+//! - `axum-idempotent`, `axum-idempotent-storm`: the peer crate from crates.io
+//!   (sessions in PostgreSQL), served by `benches/peer` once it is built:
+//!   `cargo build --release --manifest-path benches/peer/Cargo.toml --target-dir target`.
 //!
 //! Reported per variant: requests/s, p50/p99 latency, ratio to `bare`, the server
 //! process's CPU time per request and peak RSS, statements per request (sqlx's
@@ -40,9 +43,12 @@
 
 #![allow(missing_docs)]
 
+#[path = "common/shop.rs"]
+mod shop;
+
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -54,12 +60,13 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::rt::TokioIo;
 use idem::{Idempotency, Tx, idempotent};
-use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool, Postgres};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
+
+use shop::{NewPayment, failed, insert, key_of};
 
 const ROLE: &str = "IDEM_BENCH_ROLE";
 const STORM_DUPLICATES: u64 = 8;
@@ -68,52 +75,6 @@ const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 // ---------------------------------------------------------------------------------
 // The server
 
-#[derive(Deserialize)]
-struct NewPayment {
-    amount: i64,
-    currency: String,
-}
-
-#[derive(Serialize)]
-struct Payment {
-    id: i64,
-    amount: i64,
-    currency: String,
-}
-
-const INSERT: &str =
-    "INSERT INTO payments (note, amount, currency) VALUES ($1, $2, $3) RETURNING id";
-
-fn key_of(headers: &HeaderMap) -> String {
-    headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("-")
-        .to_owned()
-}
-
-async fn insert(
-    conn: &mut sqlx::PgConnection,
-    note: &str,
-    new: &NewPayment,
-) -> Result<Payment, sqlx::Error> {
-    let id = sqlx::query_scalar(INSERT)
-        .bind(note)
-        .bind(new.amount)
-        .bind(&new.currency)
-        .fetch_one(conn)
-        .await?;
-    Ok(Payment {
-        id,
-        amount: new.amount,
-        currency: new.currency.clone(),
-    })
-}
-
-fn failed(error: sqlx::Error) -> Response {
-    (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
-}
-
 #[derive(Clone)]
 struct App {
     pool: PgPool,
@@ -121,26 +82,15 @@ struct App {
     redis: Arc<Redis>,
 }
 
-impl axum::extract::FromRef<App> for Idempotency<Postgres> {
+impl axum::extract::FromRef<App> for PgPool {
     fn from_ref(app: &App) -> Self {
-        app.idempotency.clone()
+        app.pool.clone()
     }
 }
 
-async fn bare(
-    State(app): State<App>,
-    headers: HeaderMap,
-    axum::Json(new): axum::Json<NewPayment>,
-) -> Response {
-    let run = async {
-        let mut tx = app.pool.begin().await?;
-        let payment = insert(&mut tx, &key_of(&headers), &new).await?;
-        tx.commit().await?;
-        Ok::<_, sqlx::Error>(payment)
-    };
-    match run.await {
-        Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
-        Err(error) => failed(error),
+impl axum::extract::FromRef<App> for Idempotency<Postgres> {
+    fn from_ref(app: &App) -> Self {
+        app.idempotency.clone()
     }
 }
 
@@ -234,7 +184,7 @@ async fn naive_cache(
         Ok(None) => {}
         Err(error) => return (StatusCode::SERVICE_UNAVAILABLE, error).into_response(),
     }
-    let response = bare(State(app.clone()), headers, json).await;
+    let response = shop::pay(State(app.pool.clone()), headers, json).await;
     let (parts, body) = response.into_parts();
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
@@ -248,102 +198,25 @@ async fn naive_cache(
     Response::from_parts(parts, axum::body::Body::from(body))
 }
 
-/// Statements the server's pool ran while counting was on.
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static STATEMENTS: AtomicU64 = AtomicU64::new(0);
-
-/// Counts sqlx's per-statement events, only while asked to: a disabled check is
-/// one atomic load per statement.
-struct StatementCounter;
-
-impl tracing::Subscriber for StatementCounter {
-    fn register_callsite(
-        &self,
-        meta: &'static tracing::Metadata<'static>,
-    ) -> tracing::subscriber::Interest {
-        if meta.target() == "sqlx::query" {
-            tracing::subscriber::Interest::sometimes()
-        } else {
-            tracing::subscriber::Interest::never()
-        }
-    }
-
-    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
-        meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed)
-    }
-
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-
-    fn event(&self, _: &tracing::Event<'_>) {
-        STATEMENTS.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn enter(&self, _: &tracing::span::Id) {}
-
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
-async fn counting(State(_): State<App>, body: String) -> String {
-    match body.as_str() {
-        "on" => {
-            STATEMENTS.store(0, Ordering::Relaxed);
-            COUNTING.store(true, Ordering::Relaxed);
-        }
-        _ => COUNTING.store(false, Ordering::Relaxed),
-    }
-    STATEMENTS.load(Ordering::Relaxed).to_string()
-}
-
-async fn stats(State(app): State<App>) -> Response {
-    let counts: Result<(i64, i64), _> = sqlx::query_as(
-        "SELECT count(*), (SELECT count(*) FROM (SELECT note FROM payments GROUP BY note \
-                                               HAVING count(*) > 1) d) FROM payments",
-    )
-    .fetch_one(&app.pool)
-    .await;
-    match counts {
-        Ok((rows, doubled)) => format!("{rows} {doubled}").into_response(),
-        Err(error) => failed(error),
-    }
-}
-
 async fn serve() -> Result<(), Box<dyn std::error::Error>> {
-    let _ = tracing::subscriber::set_global_default(StatementCounter);
-    let url = std::env::var("DATABASE_URL")?;
-    let schema = std::env::var("SCHEMA")?;
-    let size: u32 = std::env::var("POOL")?.parse()?;
-    let options: PgConnectOptions = url.parse()?;
-    let pool = PgPoolOptions::new()
-        .max_connections(size)
-        .min_connections(size)
-        .connect_with(options.options([("search_path", schema.as_str())]))
-        .await?;
+    let (pool, size) = shop::pool_from_env().await?;
     let app = App {
         idempotency: Idempotency::new(pool.clone()),
         pool,
-        redis: Arc::new(Redis::new("127.0.0.1:6379", size as usize)),
+        redis: Arc::new(Redis::new("127.0.0.1:6379", size)),
     };
     let handler = match std::env::var("VARIANT")?.as_str() {
-        "bare" => post(bare),
+        "bare" => post(shop::pay),
         "hand-written" => post(hand_written),
         "naive-cache" => post(naive_cache),
         _ => post(idem),
     };
     let router = Router::new()
         .route("/payments", handler)
-        .route("/counting", post(counting))
-        .route("/stats", get(stats))
+        .route("/counting", post(shop::counting))
+        .route("/stats", get(shop::stats))
         .with_state(app);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    println!("listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, router).await?;
-    Ok(())
+    shop::serve(router).await
 }
 
 // ---------------------------------------------------------------------------------
@@ -428,7 +301,11 @@ impl Drop for Server {
 
 impl Server {
     async fn start(variant: &str, url: &str, schema: &str, pool: usize) -> Server {
-        let exe = std::env::current_exe().expect("bench exe");
+        let exe = if variant == "peer" {
+            peer_exe()
+        } else {
+            std::env::current_exe().expect("bench exe")
+        };
         let mut child = std::process::Command::new(exe)
             .env(ROLE, "server")
             .env("VARIANT", variant)
@@ -509,6 +386,8 @@ impl Server {
 /// One keep-alive HTTP/1.1 connection.
 struct Conn {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    /// The session the peer variant's clients share.
+    cookie: Option<http::HeaderValue>,
 }
 
 impl Conn {
@@ -519,7 +398,28 @@ impl Conn {
             .await
             .expect("handshake");
         tokio::spawn(connection);
-        Conn { sender }
+        Conn {
+            sender,
+            cookie: None,
+        }
+    }
+
+    /// Opens a session on the peer's server (`GET /session`); later requests carry it.
+    async fn open_session(&mut self) {
+        let request = http::Request::get("/session")
+            .header("host", "bench")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        self.sender.ready().await.expect("ready");
+        let response = self.sender.send_request(request).await.expect("response");
+        let cookie = response
+            .headers()
+            .get("set-cookie")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .and_then(|v| http::HeaderValue::from_str(v).ok());
+        assert!(cookie.is_some(), "the peer's server opened no session");
+        self.cookie = cookie;
     }
 
     async fn post(&mut self, path: &str, key: Option<&str>, body: &'static str) -> (u16, Bytes) {
@@ -528,6 +428,9 @@ impl Conn {
             .header("content-type", "application/json");
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
+        }
+        if let Some(cookie) = &self.cookie {
+            request = request.header("cookie", cookie);
         }
         let request = request
             .body(Full::new(Bytes::from_static(body.as_bytes())))
@@ -545,6 +448,11 @@ impl Conn {
     }
 }
 
+/// The peer crate's server (`benches/peer`), where its build puts it.
+fn peer_exe() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/idem-bench-peer")
+}
+
 /// Which key request `n` of a variant carries; `run` keeps keys apart across runs
 /// (Redis outlives them).
 fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String> {
@@ -553,7 +461,9 @@ fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String>
         "idem-replay" => Some(format!("{run}-replay-{}", n % replay_keys)),
         // Each stored key once, by an instance that has not seen it.
         "idem-replay-cold" => Some(format!("{run}-replay-{n}")),
-        "idem-storm" | "naive-cache-storm" => Some(format!("{run}-storm-{}", n / STORM_DUPLICATES)),
+        "idem-storm" | "naive-cache-storm" | "axum-idempotent-storm" => {
+            Some(format!("{run}-storm-{}", n / STORM_DUPLICATES))
+        }
         _ => Some(format!("{run}-first-{n}")),
     }
 }
@@ -639,6 +549,14 @@ async fn run_variant(
     }
     let server = Server::start(serves, url, &schema, settings.connections).await;
     let path = "/payments";
+    // One session for all of the peer's clients, as for one user's retries.
+    let cookie = if serves == "peer" {
+        let mut conn = Conn::open(&server.addr).await;
+        conn.open_session().await;
+        conn.cookie
+    } else {
+        None
+    };
 
     // Keys to replay, completed beforehand.
     let replay_keys = if stored > 0 { stored } else { 1000 };
@@ -652,6 +570,7 @@ async fn run_variant(
 
     // Statements per request, from a short counted pass on keys of its own.
     let mut conn = Conn::open(&server.addr).await;
+    conn.cookie.clone_from(&cookie);
     conn.post("/counting", None, "on").await;
     let segments_before = server.segments_out();
     let sample = 200;
@@ -682,8 +601,10 @@ async fn run_variant(
     let workers: Vec<_> = (0..settings.connections)
         .map(|_| {
             let (counter, addr, run) = (Arc::clone(&counter), server.addr.clone(), schema.clone());
+            let cookie = cookie.clone();
             tokio::spawn(async move {
                 let mut conn = Conn::open(&addr).await;
+                conn.cookie = cookie;
                 let mut latencies = Vec::new();
                 let mut statuses: HashMap<u16, u64> = HashMap::new();
                 loop {
@@ -929,6 +850,17 @@ fn main() {
             let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
             assert!(!ci, "Redis not reachable at 127.0.0.1:6379");
             eprintln!("Redis not reachable at 127.0.0.1:6379: naive-cache skipped");
+        }
+        if peer_exe().exists() {
+            variants.push(("axum-idempotent", "peer"));
+            variants.push(("axum-idempotent-storm", "peer"));
+        } else {
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+            assert!(!ci, "the peer crate's server is not built");
+            eprintln!(
+                "axum-idempotent skipped: build it with \
+                 `cargo build --release --manifest-path benches/peer/Cargo.toml --target-dir target`"
+            );
         }
         // `--only a,b`: those variants (and `bare`, the yardstick).
         if let Some(only) = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)) {

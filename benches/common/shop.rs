@@ -1,0 +1,170 @@
+//! The server side the HTTP benchmark's processes share (its own, and the peer
+//! crate's in `benches/peer`): the payment handler without idempotency, the
+//! statement counter, the duplicate count, and the pool from the environment.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+#[derive(Deserialize)]
+pub(crate) struct NewPayment {
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+}
+
+#[derive(Serialize)]
+pub(crate) struct Payment {
+    pub(crate) id: i64,
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+}
+
+const INSERT: &str =
+    "INSERT INTO payments (note, amount, currency) VALUES ($1, $2, $3) RETURNING id";
+
+/// The request's key, as the business row's note: duplicates show as notes twice.
+pub(crate) fn key_of(headers: &HeaderMap) -> String {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned()
+}
+
+/// The business write: one row in `payments`.
+pub(crate) async fn insert(
+    conn: &mut sqlx::PgConnection,
+    note: &str,
+    new: &NewPayment,
+) -> Result<Payment, sqlx::Error> {
+    let id = sqlx::query_scalar(INSERT)
+        .bind(note)
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(conn)
+        .await?;
+    Ok(Payment {
+        id,
+        amount: new.amount,
+        currency: new.currency.clone(),
+    })
+}
+
+pub(crate) fn failed(error: sqlx::Error) -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
+}
+
+/// The handler every variant serves: JSON in, the write in a transaction, JSON out.
+pub(crate) async fn pay(
+    State(pool): State<PgPool>,
+    headers: HeaderMap,
+    axum::Json(new): axum::Json<NewPayment>,
+) -> Response {
+    let run = async {
+        let mut tx = pool.begin().await?;
+        let payment = insert(&mut tx, &key_of(&headers), &new).await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(payment)
+    };
+    match run.await {
+        Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
+        Err(error) => failed(error),
+    }
+}
+
+/// Statements the server's pool ran while counting was on.
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts sqlx's per-statement events, only while asked to: a disabled check is
+/// one atomic load per statement.
+pub(crate) struct StatementCounter;
+
+impl tracing::Subscriber for StatementCounter {
+    fn register_callsite(
+        &self,
+        meta: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        if meta.target() == "sqlx::query" {
+            tracing::subscriber::Interest::sometimes()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        meta.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed)
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, _: &tracing::Event<'_>) {
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// `on` starts counting from zero; anything else stops. Answers the count.
+pub(crate) async fn counting(body: String) -> String {
+    match body.as_str() {
+        "on" => {
+            STATEMENTS.store(0, Ordering::Relaxed);
+            COUNTING.store(true, Ordering::Relaxed);
+        }
+        _ => COUNTING.store(false, Ordering::Relaxed),
+    }
+    STATEMENTS.load(Ordering::Relaxed).to_string()
+}
+
+/// `<business rows> <notes written more than once>`.
+pub(crate) async fn stats(State(pool): State<PgPool>) -> Response {
+    let counts: Result<(i64, i64), _> = sqlx::query_as(
+        "SELECT count(*), (SELECT count(*) FROM (SELECT note FROM payments GROUP BY note \
+                                               HAVING count(*) > 1) d) FROM payments",
+    )
+    .fetch_one(&pool)
+    .await;
+    match counts {
+        Ok((rows, doubled)) => format!("{rows} {doubled}").into_response(),
+        Err(error) => failed(error),
+    }
+}
+
+/// The pool the bench asked for (`DATABASE_URL`, `SCHEMA`, `POOL`), with the
+/// statement counter installed; and its size.
+pub(crate) async fn pool_from_env() -> Result<(PgPool, usize), Box<dyn std::error::Error>> {
+    let _ = tracing::subscriber::set_global_default(StatementCounter);
+    let url = std::env::var("DATABASE_URL")?;
+    let schema = std::env::var("SCHEMA")?;
+    let size: u32 = std::env::var("POOL")?.parse()?;
+    let options: PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .min_connections(size)
+        .connect_with(options.options([("search_path", schema.as_str())]))
+        .await?;
+    Ok((pool, size as usize))
+}
+
+/// Serves `router` on a loopback port, announced on stdout for the bench to read.
+pub(crate) async fn serve(router: Router) -> Result<(), Box<dyn std::error::Error>> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router).await?;
+    Ok(())
+}

@@ -59,12 +59,12 @@ impl Signals {
     }
 }
 
-/// Slots of [`Seen`]: 128 KiB per store.
-const SEEN_SLOTS: usize = 1 << 14;
+/// Slots of [`Seen`], in pairs: 256 KiB per store.
+const SEEN_SLOTS: usize = 1 << 15;
 
-/// The signals of keys this store handled lately, one per slot, the newest
-/// winning: a hint for the order of statements only, never for an answer. A key
-/// seen before is probably completed, so it is read first, outside any
+/// The signals of keys this store handled lately, two per set, a newcomer taking
+/// either place: a hint for the order of statements only, never for an answer. A
+/// key seen before is probably completed, so it is read first, outside any
 /// transaction; an unseen one is probably new, so it is claimed in the statement
 /// that reads it. A wrong guess costs a round trip.
 pub(crate) struct Seen {
@@ -80,9 +80,18 @@ impl Seen {
 
     /// Notes `signal`; `true` if it was already noted and not pushed out since.
     pub(crate) fn check_in(&self, signal: u64) -> bool {
-        // Low bits pick the slot; the whole signal is compared.
-        let slot = &self.slots[(signal as usize) & (SEEN_SLOTS - 1)];
-        slot.swap(signal, Ordering::Relaxed) == signal
+        // Low bits pick the set, a high one the place a newcomer takes; the whole
+        // signal is compared. Two keys sharing a set no longer push each other out.
+        let set = (signal as usize) & (SEEN_SLOTS - 2);
+        let pair = &self.slots[set..set + 2];
+        if pair
+            .iter()
+            .any(|slot| slot.load(Ordering::Relaxed) == signal)
+        {
+            return true;
+        }
+        pair[usize::from(signal & (1 << 40) != 0)].store(signal, Ordering::Relaxed);
+        false
     }
 }
 
@@ -143,11 +152,15 @@ mod tests {
         let key = signal_of(&key_digest("t", "", "order-1"));
         assert!(!seen.check_in(key), "new");
         assert!(seen.check_in(key), "seen");
-        // Another signal in the same slot pushes it out.
-        let neighbour = key ^ (1 << 40);
-        assert!(!seen.check_in(neighbour));
+        // A second key in the same set sits beside it.
+        let beside = key ^ (1 << 40);
+        assert!(!seen.check_in(beside));
+        assert!(seen.check_in(key) && seen.check_in(beside), "both kept");
+        // A third one takes the place of the key whose high bit it shares.
+        let third = key ^ (1 << 41);
+        assert!(!seen.check_in(third));
         assert!(!seen.check_in(key), "pushed out");
-        assert!(seen.check_in(key));
+        assert!(seen.check_in(beside), "its neighbour stays");
     }
 
     #[tokio::test]

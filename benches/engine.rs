@@ -7,8 +7,9 @@
 //!
 //! Every variant makes the same business write (one INSERT in a transaction):
 //! - `bare`: the write alone, `pool.begin()` … `commit()`;
-//! - `hand-written` (PostgreSQL): the design floor, written by hand: a primary-key
-//!   read, then claim + write + record in one transaction;
+//! - `hand-written` (PostgreSQL): the design floor for a new key, written by hand:
+//!   in one transaction, a statement that reads the key and claims it under an
+//!   advisory try-lock, the write, the record;
 //! - `idem-first`: `Idempotency::execute` with a new key per request;
 //! - `idem-replay`: `Idempotency::execute` on keys already completed;
 //! - `idem-first +Nms` (SQLite): the handler also waits N ms inside its
@@ -178,32 +179,28 @@ async fn postgres(settings: &Settings, rows: &mut Vec<Row>) {
         let pool = hand.clone();
         async move {
             let key = format!("hand-{n}");
-            let mut conn = pool.acquire().await.expect("acquire");
-            let seen: Option<i64> = sqlx::query_scalar(
-                "SELECT lease FROM idempotency_keys WHERE scope = 'hand' AND idempotency_key = $1",
+            let mut tx = pool.begin().await.expect("begin");
+            let claimed: Option<i64> = sqlx::query_scalar(
+                "WITH found AS MATERIALIZED ( \
+                     SELECT state FROM idempotency_keys \
+                     WHERE scope = 'hand' AND idempotency_key = $1), \
+                 claimed AS ( \
+                     INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, \
+                         path, fingerprint, locked_until, expires_at, created_at) \
+                     SELECT 'hand', $1, 'processing', 1, 'POST', '/effects', '\\x00', \
+                         clock_timestamp() + interval '30 seconds', \
+                         clock_timestamp() + interval '1 day', clock_timestamp() \
+                     WHERE CASE WHEN EXISTS (SELECT 1 FROM found) THEN false \
+                                ELSE pg_try_advisory_xact_lock(hashtext($1)) END \
+                     RETURNING lease) \
+                 SELECT lease FROM claimed",
             )
             .bind(&key)
-            .fetch_optional(&mut *conn)
-            .await
-            .expect("read");
-            assert!(seen.is_none());
-            let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
-            sqlx::query(
-                "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-                     fingerprint, locked_until, expires_at, created_at) \
-                 SELECT 'hand', $1, 'processing', 1, 'POST', '/effects', '\\x00', \
-                     clock_timestamp() + interval '30 seconds', clock_timestamp() + interval '1 day', \
-                     clock_timestamp() \
-                 WHERE pg_try_advisory_xact_lock(hashtext($1))",
-            )
-            .bind(&key)
-            .execute(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await
             .expect("claim");
-            sqlx::query(INSERT)
-                .execute(&mut *tx)
-                .await
-                .expect("insert");
+            assert!(claimed.is_some());
+            sqlx::query(INSERT).execute(&mut *tx).await.expect("insert");
             sqlx::query(
                 "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '\\x00', \
                      body = '\\x00' WHERE scope = 'hand' AND idempotency_key = $1 AND lease = 1",

@@ -509,13 +509,7 @@ async fn run_variant(
     } else {
         prefill
     };
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE SCHEMA {schema}; SET search_path = {schema}; \
-         CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL);"
-    )))
-    .execute(admin)
-    .await
-    .expect("schema");
+    create_schema(admin, &schema).await;
     let migration = idem::Idempotency::new(admin.clone()).migration_sql();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "SET search_path = {schema}; {migration}"
@@ -703,11 +697,8 @@ async fn fetch(conn: &mut Conn, path: &str) -> (u16, Bytes) {
     )
 }
 
-/// The bare transaction (BEGIN; the INSERT; COMMIT) driven by `pgbench` over the
-/// simple protocol with as many clients: what PostgreSQL alone does on this machine.
-/// `None` when pgbench is not installed.
-async fn pgbench(settings: &Settings, url: &str, admin: &PgPool) -> Option<f64> {
-    let schema = format!("idem_bench_http_{}_pgbench", std::process::id());
+/// A fresh schema holding the business table, for one run.
+async fn create_schema(admin: &PgPool, schema: &str) {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; SET search_path = {schema}; \
          CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL);"
@@ -715,6 +706,14 @@ async fn pgbench(settings: &Settings, url: &str, admin: &PgPool) -> Option<f64> 
     .execute(admin)
     .await
     .expect("schema");
+}
+
+/// The bare transaction (BEGIN; the INSERT; COMMIT) driven by `pgbench` over the
+/// simple protocol with as many clients: what PostgreSQL alone does on this machine.
+/// `None` when pgbench is not installed.
+async fn pgbench(settings: &Settings, url: &str, admin: &PgPool) -> Option<f64> {
+    let schema = format!("idem_bench_http_{}_pgbench", std::process::id());
+    create_schema(admin, &schema).await;
     let script = std::env::temp_dir().join(format!("{schema}.sql"));
     let written = std::fs::write(
         &script,

@@ -317,7 +317,9 @@ impl<DB: Backend> Idempotency<DB> {
             key = request.key.as_ref().map(IdempotencyKey::as_str),
         );
         let store = self.clone();
-        let task = tokio::spawn(
+        // Boxed where it is built: the state machine is about 10 KiB, which the
+        // task would otherwise take by copy through every frame of `spawn`.
+        let task = tokio::spawn(Box::pin(
             async move {
                 let (outcome, mut response) = store.run(request, options, handler).await;
                 tracing::info!(
@@ -329,7 +331,7 @@ impl<DB: Backend> Idempotency<DB> {
                 response
             }
             .instrument(span),
-        );
+        ));
         match task.await {
             Ok(response) => response,
             // Only when the runtime shuts down under the task.

@@ -7,6 +7,9 @@
 //! announcement alone: it also looks again at growing intervals, so a missed one
 //! costs latency, never correctness.
 //!
+//! The same signals, kept per store in [`Seen`], tell the engine which keys it
+//! handled lately, so that it can guess which statement to send first.
+//!
 //! [`Options::wait`]: crate::Options::wait
 
 use std::sync::Mutex;

@@ -258,6 +258,14 @@ pub mod sealed {
             look_then_claim(conn, sql, id, claim)
         }
 
+        /// Whether [`idem_open`](Self::idem_open) heeds `read_first` with this SQL:
+        /// the engine keeps its table of keys seen lately only then.
+        #[doc(hidden)]
+        fn idem_heeds_read_first(sql: &Self::IdemSql) -> bool {
+            let _ = sql;
+            false
+        }
+
         /// Opens the transaction for a request that carries no key.
         #[doc(hidden)]
         fn idem_begin(

@@ -433,7 +433,11 @@ impl<DB: Backend> Idempotency<DB> {
         };
         // A key this store saw lately is probably completed: read it first, outside
         // a transaction. Any other is probably new: claimed as it is read.
-        let read_first = self.inner.seen.check_in(signal);
+        let read_first = self
+            .inner
+            .seen
+            .as_ref()
+            .is_some_and(|seen| seen.check_in(signal));
         let (mut tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
             Ok(Opened::Claimed(tx)) => (tx, false),
             // `other` takes the whole result, so `conn` is free again below.

@@ -266,6 +266,10 @@ impl Store for Postgres {
         Found::decode(&row).map(Opened::Found)
     }
 
+    fn idem_heeds_read_first(sql: &Sql) -> bool {
+        sql.open.is_some()
+    }
+
     async fn idem_begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
         conn.begin().await
     }

@@ -62,7 +62,7 @@ impl Signals {
     }
 }
 
-/// Slots of [`Seen`], in pairs: 256 KiB per store.
+/// Slots of [`Seen`], in pairs: 256 KiB for each store that keeps one.
 const SEEN_SLOTS: usize = 1 << 15;
 
 /// The signals of keys this store handled lately, two per set, a newcomer taking

@@ -53,7 +53,8 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) partitioned: bool,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
-    pub(crate) seen: Seen,
+    /// Only where the backend heeds it (see `Seen`).
+    pub(crate) seen: Option<Seen>,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -240,6 +241,7 @@ impl<DB: Backend> Builder<DB> {
 
     fn build_unchecked(self) -> Idempotency<DB> {
         let sql = DB::idem_sql(&self.table, self.partitioned);
+        let seen = DB::idem_heeds_read_first(&sql).then(Seen::new);
         Idempotency {
             inner: Arc::new(Inner {
                 pool: self.pool,
@@ -250,7 +252,7 @@ impl<DB: Backend> Builder<DB> {
                 partitioned: self.partitioned,
                 sql,
                 signals: Signals::new(),
-                seen: Seen::new(),
+                seen,
             }),
         }
     }

@@ -404,14 +404,18 @@ impl Conn {
         }
     }
 
-    /// Opens a session on the peer's server (`GET /session`); later requests carry it.
-    async fn open_session(&mut self) {
-        let request = http::Request::get("/session")
+    async fn get(&mut self, path: &str) -> http::Response<hyper::body::Incoming> {
+        let request = http::Request::get(path)
             .header("host", "bench")
             .body(Full::new(Bytes::new()))
             .expect("request");
         self.sender.ready().await.expect("ready");
-        let response = self.sender.send_request(request).await.expect("response");
+        self.sender.send_request(request).await.expect("response")
+    }
+
+    /// Opens a session on the peer's server (`GET /session`); later requests carry it.
+    async fn open_session(&mut self) {
+        let response = self.get("/session").await;
         let cookie = response
             .headers()
             .get("set-cookie")
@@ -636,7 +640,14 @@ async fn run_variant(
     let requests = all.len() as u64;
     let doubled = if variant.ends_with("storm") {
         let mut conn = Conn::open(&server.addr).await;
-        let (_, stats) = fetch(&mut conn, "/stats").await;
+        let stats = conn
+            .get("/stats")
+            .await
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
         String::from_utf8_lossy(&stats)
             .split_whitespace()
             .nth(1)
@@ -676,25 +687,6 @@ async fn run_variant(
         .execute(admin)
         .await;
     row
-}
-
-async fn fetch(conn: &mut Conn, path: &str) -> (u16, Bytes) {
-    let request = http::Request::get(path)
-        .header("host", "bench")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    conn.sender.ready().await.expect("ready");
-    let response = conn.sender.send_request(request).await.expect("response");
-    let status = response.status().as_u16();
-    (
-        status,
-        response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes(),
-    )
 }
 
 /// A fresh schema holding the business table, for one run.

@@ -16,7 +16,7 @@
 //! | first request for (scope, key) | the handler runs; its response is recorded with its writes |
 //! | same key and request, completed | the stored response, plus `Idempotent-Replayed: true` |
 //! | same key and request, in flight | 409 `in-flight`, `Retry-After` = what is left of the holder's `lock`; with `wait`, first waits for it and replays |
-//! | same key, another method, path or body | 422 `payload-mismatch` |
+//! | same key, another method, path and query, content type or body | 422 `payload-mismatch` |
 //! | body over axum's `DefaultBodyLimit`, or slower than the store's `body_timeout` (30 s) | 413 `payload-too-large`, 408 `request-timeout`; nothing claimed |
 //! | handler answers ≥ 500, panics, or outlives its `lock` | rolled back, key released: a retry runs it again |
 //! | key older than its `ttl` | treated as never seen |
@@ -237,8 +237,9 @@ pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_TABLE, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL,
-    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey, KeyRecord, MAX_KEY_LEN, Options,
-    Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx, fingerprint,
+    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey, InvalidOptions, KeyRecord,
+    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx,
+    fingerprint,
 };
 
 #[cfg(feature = "postgres")]

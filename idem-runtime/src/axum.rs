@@ -42,9 +42,9 @@
 
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRef, FromRequest, Request};
-use axum::http::StatusCode;
+use axum::extract::{FromRef, FromRequest, OriginalUri, Request};
 use axum::http::request::Parts;
+use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
@@ -132,7 +132,8 @@ impl<DB: Backend> IdempotentRequest<DB> {
     where
         F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
     {
-        let request = RequestIdentity::new(key, scope, &parts.method, &parts.uri, body);
+        let request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
+            .content_type(content_type(parts));
         store
             .execute(request, options, handler)
             .await
@@ -216,6 +217,38 @@ where
             .map_err(IntoResponse::into_response)?;
         Ok(Self { request, value })
     }
+}
+
+/// The path and query the client sent: axum's [`OriginalUri`], which the outermost
+/// `Router` records before any `nest`, `nest_service` or URI-rewriting layer inside
+/// it changes `parts.uri`. Two routes nested under different prefixes (or path
+/// parameters) must never share an identity.
+fn client_uri(parts: &Parts) -> &Uri {
+    parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0)
+}
+
+/// Every `Content-Type` header as sent, joined; empty when there is none. A value
+/// that is not visible ASCII is escaped.
+fn content_type(parts: &Parts) -> String {
+    let mut out = String::new();
+    for (i, value) in parts
+        .headers
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .enumerate()
+    {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        match value.to_str() {
+            Ok(text) => out.push_str(text),
+            Err(_) => out.extend(value.as_bytes().escape_ascii().map(char::from)),
+        }
+    }
+    out
 }
 
 /// Renders `problem` with the store's problem base, as an axum response.

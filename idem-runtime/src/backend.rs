@@ -26,6 +26,8 @@ pub struct Identity<'a> {
     pub key: &'a str,
     pub method: &'a str,
     pub path: &'a str,
+    /// The request body's `Content-Type`, empty when it had none.
+    pub content_type: &'a str,
     pub fingerprint: &'a [u8; 32],
     /// SHA-256 of (table, scope, key), computed once: the seed of the backends'
     /// locks and of `wait`'s signal.
@@ -42,6 +44,8 @@ pub struct Found {
     pub fresh: bool,
     pub method: String,
     pub path: String,
+    /// `None` in rows recorded before content types were stored: matches any.
+    pub content_type: Option<String>,
     pub fingerprint: Vec<u8>,
     pub status: Option<i32>,
     pub headers: Option<Vec<u8>>,
@@ -50,7 +54,7 @@ pub struct Found {
 
 impl Found {
     /// Decodes a lookup row. Every backend's lookup selects the same shape: `state`,
-    /// `method`, `path` as text; `fingerprint`, `headers`, `body` as bytes; `status`,
+    /// `method`, `path`, `content_type` (nullable) as text; `fingerprint`, `headers`, `body` as bytes; `status`,
     /// `live`, `fresh` as 64-bit integers.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
@@ -58,6 +62,7 @@ impl Found {
         R: sqlx::Row,
         for<'a> &'a str: sqlx::ColumnIndex<R>,
         for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
         for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
         for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
         for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -69,6 +74,7 @@ impl Found {
             fresh: row.try_get::<i64, _>("fresh")? != 0,
             method: row.try_get("method")?,
             path: row.try_get("path")?,
+            content_type: row.try_get("content_type")?,
             fingerprint: row.try_get("fingerprint")?,
             status: row
                 .try_get::<Option<i64>, _>("status")?
@@ -93,6 +99,7 @@ impl Found {
         for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
         for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
         for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+        for<'r> Option<String>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
         for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
         for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
         for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
@@ -109,6 +116,10 @@ impl Found {
     pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
         self.method == id.method
             && self.path == id.path
+            && self
+                .content_type
+                .as_deref()
+                .is_none_or(|stored| stored == id.content_type)
             && self.fingerprint.as_slice() == id.fingerprint.as_slice()
     }
 }
@@ -125,8 +136,8 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// Binds `$1`..`$8`, the parameters every backend's claim statement starts with:
-    /// scope, key, lease, method, path, fingerprint, lock (ms), ttl (ms).
+    /// Binds `$1`..`$9`, the parameters every backend's claim statement starts with:
+    /// scope, key, lease, method, path, fingerprint, lock (ms), ttl (ms), content type.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn bind<'q, DB>(
         &self,
@@ -148,6 +159,7 @@ impl Claim {
             .bind(&id.fingerprint[..])
             .bind(self.lock_ms)
             .bind(self.ttl_ms)
+            .bind(id.content_type)
     }
 }
 
@@ -188,6 +200,16 @@ pub(crate) async fn look_then_claim<'c, DB: sealed::Store>(
     })
 }
 
+/// One file of `migrations/<backend>/`.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// The script, for the default table name.
+    pub sql: &'static str,
+    /// The column it adds last: a table that has it needs nothing from this script.
+    /// `None` for a script that is safe to run again.
+    pub adds: Option<&'static str>,
+}
+
 /// A response ready to be recorded.
 pub struct Recorded<'a> {
     pub status: i32,
@@ -209,19 +231,21 @@ pub mod sealed {
         #[doc(hidden)]
         fn idem_sql(table: &str, partitioned: bool) -> Self::IdemSql;
 
-        /// The backend's migration, for the default table name.
+        /// The backend's migrations in order, for the default table name.
         #[doc(hidden)]
-        const IDEM_MIGRATION: &'static str;
+        const IDEM_MIGRATIONS: &'static [Migration];
 
-        /// The partitioned layout's migration, where the backend has one.
+        /// The partitioned layout's, where the backend has one.
         #[doc(hidden)]
-        const IDEM_PARTITIONED_MIGRATION: Option<&'static str> = None;
+        const IDEM_PARTITIONED_MIGRATIONS: Option<&'static [Migration]> = None;
 
-        /// Applies the migration under a lock, so instances starting together agree.
+        /// Applies the migrations `table` lacks under a lock, so instances starting
+        /// together agree; `scripts` are [`Migration::sql`] for this table.
         #[doc(hidden)]
         fn idem_migrate<'c>(
             conn: &'c mut Self::Connection,
-            script: &'c str,
+            table: &'c str,
+            scripts: &'c [(String, Option<&'static str>)],
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
 
         /// Reads (scope, key) outside any transaction.

@@ -97,7 +97,7 @@ pub fn fingerprint(body: &[u8]) -> [u8; 32] {
 }
 
 /// Everything that identifies one request to the engine: its key (if any), its
-/// scope, method, path and query, and the fingerprint of its body.
+/// scope, method, path and query, body content type, and the fingerprint of its body.
 ///
 /// # Examples
 ///
@@ -110,6 +110,10 @@ pub fn fingerprint(body: &[u8]) -> [u8; 32] {
 /// let request = RequestIdentity::new(key, "user-7", &Method::POST, &uri, br#"{"amount":100}"#);
 /// assert_eq!(request.path(), "/payments?dry=0");
 /// assert_eq!(request.key().unwrap().scope(), Some("user-7"));
+///
+/// // The same bytes sent as a form are another request.
+/// let json = request.clone().content_type("application/json");
+/// assert_eq!(json.content_type_value(), "application/json");
 /// ```
 #[derive(Debug, Clone)]
 pub struct RequestIdentity {
@@ -117,6 +121,7 @@ pub struct RequestIdentity {
     scope: String,
     method: Method,
     path: String,
+    content_type: String,
     fingerprint: [u8; 32],
 }
 
@@ -137,8 +142,22 @@ impl RequestIdentity {
             path: uri
                 .path_and_query()
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
+            content_type: String::new(),
             fingerprint: fingerprint(body),
         }
+    }
+
+    /// Sets the body's `Content-Type` as the client sent it (none: empty). The same
+    /// key with the same bytes under another content type is a payload mismatch.
+    #[must_use]
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = content_type.into();
+        self
+    }
+
+    /// See [`content_type`](Self::content_type).
+    pub fn content_type_value(&self) -> &str {
+        &self.content_type
     }
 
     /// The key, bound to the scope (so [`IdempotencyKey::derive`] is per tenant).
@@ -189,7 +208,8 @@ pub enum Outcome {
     Released,
     /// No key on an endpoint that does not require one: the handler ran, nothing stored.
     Unkeyed,
-    /// Missing or malformed key: 400.
+    /// Missing or malformed key (400), or the endpoint's options are
+    /// inconsistent (500 `invalid-options`): nothing ran.
     Refused,
     /// The database failed: 503 `store-unavailable`.
     StoreFailed,
@@ -358,6 +378,14 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
+        if let Err(invalid) = options.check() {
+            tracing::error!(%invalid, "endpoint options refused");
+            let detail = format!("this endpoint is misconfigured: {invalid}; nothing was run");
+            return (
+                Outcome::Refused,
+                self.problem(Problem::InvalidOptions, &detail),
+            );
+        }
         let Some(key) = &request.key else {
             if options.is_required() {
                 let detail = "this endpoint requires an Idempotency-Key header";
@@ -373,6 +401,7 @@ impl<DB: Backend> Idempotency<DB> {
             key: key.as_str(),
             method: request.method.as_str(),
             path: &request.path,
+            content_type: &request.content_type,
             fingerprint: &request.fingerprint,
             digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
         };
@@ -629,12 +658,26 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: false,
             };
         }
+        if !found.completed && !found.live {
+            // A claim nobody completed and whose lock has passed holds nothing: it
+            // is taken over by whatever request comes, never a reason to refuse one.
+            return Decision::Claim {
+                replace: true,
+                takeover: true,
+            };
+        }
         if !found.matches(id) {
             let detail = if found.method != id.method || found.path != id.path {
                 format!(
                     "this Idempotency-Key was first used for {} {}",
                     found.method, found.path
                 )
+            } else if found
+                .content_type
+                .as_deref()
+                .is_some_and(|stored| stored != id.content_type)
+            {
+                "this Idempotency-Key was first used with a different Content-Type".to_owned()
             } else {
                 "this Idempotency-Key was first used with a different request body".to_owned()
             };
@@ -650,13 +693,8 @@ impl<DB: Backend> Idempotency<DB> {
                 found.body.unwrap_or_default(),
             );
             Decision::Answer(Outcome::Replayed, response)
-        } else if found.live {
-            Decision::InFlight
         } else {
-            Decision::Claim {
-                replace: true,
-                takeover: true,
-            }
+            Decision::InFlight
         }
     }
 

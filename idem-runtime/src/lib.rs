@@ -33,7 +33,7 @@ pub use admin::KeyRecord;
 pub use backend::Backend;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity, Tx, fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
-pub use options::Options;
+pub use options::{InvalidOptions, Options};
 pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Migration, Recorded, sealed::Store};
 use crate::key::to_hex;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
@@ -25,6 +25,8 @@ pub struct Sql {
     claim_over: Arc<str>,
     record: Arc<str>,
     lock_left: Arc<str>,
+    /// The named lock alone, taken before a takeover touches the row.
+    lock: Arc<str>,
     finish: Arc<str>,
     sweep: Arc<str>,
 }
@@ -32,19 +34,26 @@ pub struct Sql {
 impl Store for MySql {
     type IdemSql = Sql;
 
-    const IDEM_MIGRATION: &'static str =
-        include_str!("../../migrations/mysql/0001_idempotency_keys.sql");
+    const IDEM_MIGRATIONS: &'static [Migration] = &[
+        Migration {
+            sql: include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
+            adds: None,
+        },
+        Migration {
+            sql: include_str!("../../migrations/mysql/0002_content_type_and_sizes.sql"),
+            adds: Some("content_type"),
+        },
+    ];
 
     fn idem_sql(table: &str, _partitioned: bool) -> Sql {
-        // The claim's parameters as columns of `v`, in `Claim::bind` order, then the
-        // lock's name: for the `UPDATE`, whose `SET` comes before its `WHERE`.
-        let params = format!(
-            "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, ? AS path, \
-             ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, {LOCK_NAME} AS lock_name"
-        );
+        // The claim's parameters as columns of `v`, in `Claim::bind` order: for the
+        // `UPDATE`, whose `SET` comes before its `WHERE`.
+        let params = "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, \
+                      ? AS path, ? AS fingerprint, ? AS lock_ms, ? AS ttl_ms, ? AS content_type";
         Sql {
             lookup: format!(
-                "SELECT state, method, path, fingerprint, CAST(status AS SIGNED) AS status, headers, body, \
+                "SELECT state, method, path, content_type, fingerprint, \
+                        CAST(status AS SIGNED) AS status, headers, body, \
                         CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
                         CAST(expires_at > UTC_TIMESTAMP(6) AS SIGNED) AS fresh \
                  FROM {table} WHERE scope = ? AND idempotency_key = ?"
@@ -54,11 +63,11 @@ impl Store for MySql {
             // be materialised as a temporary table on every claim.
             claim_new: format!(
                 "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                        fingerprint, locked_until, expires_at, created_at) \
+                        fingerprint, locked_until, expires_at, created_at, content_type) \
                  SELECT ?, ?, 'processing', ?, ?, ?, ?, \
                         UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, \
                         UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, \
-                        UTC_TIMESTAMP(6) \
+                        UTC_TIMESTAMP(6), ? \
                  FROM DUAL WHERE GET_LOCK({LOCK_NAME}, 0) = 1"
             )
             .into(),
@@ -66,14 +75,14 @@ impl Store for MySql {
                 "UPDATE {table} AS r JOIN ({params}) AS v \
                    ON r.scope = v.scope AND r.idempotency_key = v.idempotency_key \
                  SET r.state = 'processing', r.lease = v.lease, r.method = v.method, \
-                     r.path = v.path, r.fingerprint = v.fingerprint, r.status = NULL, \
+                     r.path = v.path, r.fingerprint = v.fingerprint, \
+                     r.content_type = v.content_type, r.status = NULL, \
                      r.headers = NULL, r.body = NULL, \
                      r.locked_until = UTC_TIMESTAMP(6) + INTERVAL (v.lock_ms * 1000) MICROSECOND, \
                      r.expires_at = UTC_TIMESTAMP(6) + INTERVAL (v.ttl_ms * 1000) MICROSECOND, \
                      r.created_at = UTC_TIMESTAMP(6) \
-                 WHERE (r.expires_at <= UTC_TIMESTAMP(6) \
-                        OR (r.state = 'processing' AND r.locked_until <= UTC_TIMESTAMP(6))) \
-                   AND GET_LOCK(v.lock_name, 0) = 1"
+                 WHERE r.expires_at <= UTC_TIMESTAMP(6) \
+                    OR (r.state = 'processing' AND r.locked_until <= UTC_TIMESTAMP(6))"
             )
             .into(),
             record: format!(
@@ -98,15 +107,25 @@ impl Store for MySql {
                  ORDER BY expires_at LIMIT ?"
             )
             .into(),
+            lock: format!("SELECT GET_LOCK({LOCK_NAME}, 0)").into(),
+            // The session's own values, saved by `begin_claim`; the server's when a
+            // claim failed before saving them.
             finish: format!(
-                "SET SESSION wait_timeout = DEFAULT, innodb_lock_wait_timeout = DEFAULT, \
-                 @idem_released = RELEASE_LOCK({LOCK_NAME})"
+                "SET SESSION wait_timeout = COALESCE(@idem_wait_timeout, @@GLOBAL.wait_timeout), \
+                     innodb_lock_wait_timeout = \
+                        COALESCE(@idem_lock_wait_timeout, @@GLOBAL.innodb_lock_wait_timeout), \
+                     @idem_wait_timeout = NULL, @idem_lock_wait_timeout = NULL, \
+                     @idem_released = RELEASE_LOCK({LOCK_NAME})"
             )
             .into(),
         }
     }
 
-    async fn idem_migrate(conn: &mut MySqlConnection, script: &str) -> Result<(), sqlx::Error> {
+    async fn idem_migrate(
+        conn: &mut MySqlConnection,
+        table: &str,
+        scripts: &[(String, Option<&'static str>)],
+    ) -> Result<(), sqlx::Error> {
         // DDL commits implicitly in MySQL: a named lock, not a transaction, keeps
         // instances that start together from racing.
         let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('idem:migrate', 60)")
@@ -117,13 +136,11 @@ impl Store for MySql {
                 "timed out waiting for the idem:migrate lock".into(),
             ));
         }
-        let migrated = sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
-            .execute(&mut *conn)
-            .await;
+        let migrated = apply(conn, table, scripts).await;
         sqlx::query("DO RELEASE_LOCK('idem:migrate')")
             .execute(&mut *conn)
             .await?;
-        migrated.map(|_| ())
+        migrated
     }
 
     async fn idem_lookup(
@@ -145,16 +162,33 @@ impl Store for MySql {
         } else {
             &sql.claim_new
         };
+        if claim.replace {
+            // A takeover locks its row as it reads it, so the named lock decides
+            // first: duplicates of an expired key are answered at once instead of
+            // queueing on the row, each holding a pooled connection.
+            let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql.lock.clone()))
+                .bind(lock_seed(id))
+                .fetch_one(&mut *conn)
+                .await?;
+            if locked != Some(1) {
+                return Ok(None);
+            }
+        }
+        // The session's own timeouts are saved, to be restored by `finish`.
         let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
         let begin = format!(
-            "SET SESSION wait_timeout = {wait_secs}, innodb_lock_wait_timeout = {wait_secs}; BEGIN"
+            "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
+                 @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout; \
+             SET SESSION wait_timeout = {wait_secs}, innodb_lock_wait_timeout = {wait_secs}; \
+             BEGIN"
         );
+        // On an error the engine releases the named lock (`idem_finish`).
         let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
-        let claimed = claim
-            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
-            .bind(lock_seed(id))
-            .execute(&mut *tx)
-            .await;
+        let mut query = claim.bind(id, sqlx::query(AssertSqlSafe(statement.clone())));
+        if !claim.replace {
+            query = query.bind(lock_seed(id));
+        }
+        let claimed = query.execute(&mut *tx).await;
         let lost = match claimed {
             Ok(done) if done.rows_affected() == 1 => return Ok(Some(tx)),
             Ok(_) => Ok(()),
@@ -250,6 +284,33 @@ impl Store for MySql {
         );
         fetch::<MySql>(conn, sql, params).await
     }
+}
+
+/// Applies the scripts `table` lacks: each one adds its marker column last.
+async fn apply(
+    conn: &mut MySqlConnection,
+    table: &str,
+    scripts: &[(String, Option<&'static str>)],
+) -> Result<(), sqlx::Error> {
+    for (script, adds) in scripts {
+        if let Some(column) = adds {
+            let has: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
+            )
+            .bind(table)
+            .bind(*column)
+            .fetch_one(&mut *conn)
+            .await?;
+            if has > 0 {
+                continue;
+            }
+        }
+        sqlx::raw_sql(AssertSqlSafe(script.clone()))
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
 }
 
 /// Releases the claim's named lock and restores the session's timeouts.

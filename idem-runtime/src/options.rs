@@ -54,7 +54,8 @@ impl Options {
 
     /// The longest one execution may hold the key. An executor still running at its
     /// deadline is cancelled and rolled back (it can never commit late), and its key
-    /// is free for a retry. Keep it shorter than `ttl`.
+    /// is free for a retry. It must be shorter than `ttl`, so that a key outlives
+    /// any execution holding it: see [`check`](Self::check).
     #[must_use]
     pub const fn lock(mut self, lock: Duration) -> Self {
         self.lock = lock;
@@ -95,6 +96,36 @@ impl Options {
     pub const fn ttl_header(mut self, advertise: bool) -> Self {
         self.ttl_header = advertise;
         self
+    }
+
+    /// Checks that the options are consistent: `lock` shorter than `ttl`. The
+    /// engine refuses every request of an endpoint whose options fail this, with
+    /// 500 [`invalid-options`](crate::Problem::InvalidOptions), before anything runs.
+    /// In a `const` the failure is a compile error.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidOptions`] naming both durations.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_runtime::Options;
+    ///
+    /// let short_ttl = Options::new().ttl(Duration::from_secs(10));
+    /// assert!(short_ttl.check().is_err(), "the default lock is 30 s");
+    /// assert!(short_ttl.lock(Duration::from_secs(5)).check().is_ok());
+    /// ```
+    pub const fn check(self) -> Result<Self, InvalidOptions> {
+        if self.lock.as_nanos() < self.ttl.as_nanos() {
+            Ok(self)
+        } else {
+            Err(InvalidOptions {
+                ttl: self.ttl,
+                lock: self.lock,
+            })
+        }
     }
 
     /// See [`wait`](Self::wait).
@@ -141,3 +172,22 @@ impl Default for Options {
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
+
+/// [`Options`] whose `lock` is not shorter than their `ttl`; see [`Options::check`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InvalidOptions {
+    ttl: Duration,
+    lock: Duration,
+}
+
+impl std::fmt::Display for InvalidOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "lock ({:?}) must be shorter than ttl ({:?}): a key must outlive any execution holding it",
+            self.lock, self.ttl
+        )
+    }
+}
+
+impl std::error::Error for InvalidOptions {}

@@ -13,7 +13,9 @@ use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Opened, Recorded, look_then_claim, sealed::Store};
+use crate::backend::{
+    Claim, Found, Identity, Migration, Opened, Recorded, look_then_claim, sealed::Store,
+};
 use crate::signal::signal_of;
 use crate::store::Idempotency;
 
@@ -21,25 +23,50 @@ use crate::store::Idempotency;
 /// timeouts (`timeout`, ms) that end the transaction at `lock` even if the
 /// application is frozen. Both hold until the transaction ends; `set_config(..,
 /// true)` is `SET LOCAL` without a round trip of its own.
-fn lock_and_timeouts(seed: &str, timeout: &str) -> String {
+fn lock_and_timeouts(table: &str, seed: &str, timeout: &str) -> String {
     format!(
-        "pg_try_advisory_xact_lock(hashtextextended(current_schema(), {seed})) \
+        "pg_try_advisory_xact_lock({}) \
          AND set_config('statement_timeout', {timeout}, true) IS NOT NULL \
-         AND set_config('idle_in_transaction_session_timeout', {timeout}, true) IS NOT NULL"
+         AND set_config('idle_in_transaction_session_timeout', {timeout}, true) IS NOT NULL",
+        lock_id(table, seed)
     )
+}
+
+/// The advisory lock of key `seed` in `table`. Keyed on the table itself (its oid,
+/// resolved as the statement's own table name is), so instances whose
+/// `search_path` differs take the same lock for the same table, and distinct
+/// tables never share one.
+fn lock_id(table: &str, seed: &str) -> String {
+    format!("hashint8extended({seed}, '{table}'::regclass::oid::int8)")
 }
 
 /// Milliseconds left on the lock of the claim holding advisory lock seed `$1`, for
 /// an endpoint whose lock is `$2` ms. The holder's claim is not visible, but its
 /// advisory lock is, and the start of its transaction to roles allowed to see it;
 /// the lock counts from there (from now, when the start is hidden).
-const LOCK_LEFT: &str = "SELECT ($2 - coalesce((extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8, 0))::int8 \
-     FROM (SELECT hashtextextended(current_schema(), $1) AS k) s \
-     JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-      AND l.classid = ((s.k >> 32) & 4294967295)::oid \
-      AND l.objid = (s.k & 4294967295)::oid \
-     LEFT JOIN pg_stat_activity a ON a.pid = l.pid";
+fn lock_left(table: &str) -> String {
+    format!(
+        "SELECT ($2 - coalesce((extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8, 0))::int8 \
+         FROM (SELECT {} AS k) s \
+         JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+          AND l.classid = ((s.k >> 32) & 4294967295)::oid \
+          AND l.objid = (s.k & 4294967295)::oid \
+         LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
+        lock_id(table, "$1")
+    )
+}
+
+/// Content types in the request's identity; shared by both layouts.
+const UPGRADE_2: Migration = Migration {
+    sql: include_str!("../../migrations/postgres/0002_content_type.sql"),
+    adds: Some("content_type"),
+};
+
+/// The savepoint the handler runs after: a handler that catches a database error
+/// leaves PostgreSQL's transaction aborted, and rolling back to here keeps the
+/// claim, so the handler's own answer can still be recorded.
+const HANDLER_SAVEPOINT: &str = "idem_handler";
 
 #[doc(hidden)]
 #[derive(Debug)]
@@ -51,6 +78,7 @@ pub struct Sql {
     /// `record` that also announces the completion to waiters on every instance.
     record_announced: Arc<str>,
     sweep: Arc<str>,
+    lock_left: Arc<str>,
     /// Partitioned layout only: the lock, taken in a statement of its own so that
     /// the claim's check for an existing row reads after it.
     lock: Option<Arc<str>>,
@@ -61,12 +89,21 @@ pub struct Sql {
 impl Store for Postgres {
     type IdemSql = Sql;
 
-    const IDEM_MIGRATION: &'static str =
-        include_str!("../../migrations/postgres/0001_idempotency_keys.sql");
+    const IDEM_MIGRATIONS: &'static [Migration] = &[
+        Migration {
+            sql: include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
+            adds: None,
+        },
+        UPGRADE_2,
+    ];
 
-    const IDEM_PARTITIONED_MIGRATION: Option<&'static str> = Some(include_str!(
-        "../../migrations/postgres/partitioned/0001_idempotency_keys.sql"
-    ));
+    const IDEM_PARTITIONED_MIGRATIONS: Option<&'static [Migration]> = Some(&[
+        Migration {
+            sql: include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql"),
+            adds: None,
+        },
+        UPGRADE_2,
+    ]);
 
     fn idem_sql(table: &str, partitioned: bool) -> Sql {
         // Plain layout: the primary key keeps (scope, key) unique, and the lock rides
@@ -78,28 +115,29 @@ impl Store for Postgres {
                     "NOT EXISTS (SELECT 1 FROM {table} WHERE scope = $1 AND idempotency_key = $2)"
                 ),
                 "TRUE".to_owned(),
-                Some(format!("SELECT {}", lock_and_timeouts("$1", "$2")).into()),
+                Some(format!("SELECT {}", lock_and_timeouts(table, "$1", "$2")).into()),
             )
         } else {
-            let guard = lock_and_timeouts("$9", "$10");
+            let guard = lock_and_timeouts(table, "$10", "$11");
             (guard.clone(), guard, None)
         };
-        let columns = "state, method, path, fingerprint, status::int8 AS status, headers, body, \
+        let columns = "state, method, path, content_type, fingerprint, status::int8 AS status, \
+                       headers, body, \
                        (locked_until > clock_timestamp())::int::int8 AS live, \
                        (expires_at > clock_timestamp())::int::int8 AS fresh";
         let lookup =
             format!("SELECT {columns} FROM {table} WHERE scope = $1 AND idempotency_key = $2");
         let insert = format!(
             "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                    fingerprint, locked_until, expires_at, created_at) \
+                    fingerprint, locked_until, expires_at, created_at, content_type) \
              SELECT $1, $2, 'processing', $3, $4, $5, $6, \
                     clock_timestamp() + $7::float8 * interval '1 millisecond', \
                     clock_timestamp() + $8::float8 * interval '1 millisecond', \
-                    clock_timestamp()"
+                    clock_timestamp(), $9"
         );
         // The lock is tried only when nothing is stored, so a replay takes none.
         let open = (!partitioned).then(|| {
-            let guard = lock_and_timeouts("$9", "$10");
+            let guard = lock_and_timeouts(table, "$10", "$11");
             format!(
                 "WITH found AS MATERIALIZED ({lookup}), \
                  claimed AS ({insert} \
@@ -118,11 +156,13 @@ impl Store for Postgres {
         Sql {
             lock,
             open,
+            lock_left: lock_left(table).into(),
             lookup: lookup.into(),
             claim_new: format!("{insert} WHERE {new_guard} RETURNING lease").into(),
             claim_over: format!(
                 "UPDATE {table} SET state = 'processing', lease = $3, method = $4, path = $5, \
-                        fingerprint = $6, status = NULL, headers = NULL, body = NULL, \
+                        fingerprint = $6, content_type = $9, status = NULL, headers = NULL, \
+                        body = NULL, \
                         locked_until = clock_timestamp() + $7::float8 * interval '1 millisecond', \
                         expires_at = clock_timestamp() + $8::float8 * interval '1 millisecond', \
                         created_at = clock_timestamp() \
@@ -153,16 +193,24 @@ impl Store for Postgres {
         }
     }
 
-    async fn idem_migrate(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
+    async fn idem_migrate(
+        conn: &mut PgConnection,
+        _table: &str,
+        scripts: &[(String, Option<&'static str>)],
+    ) -> Result<(), sqlx::Error> {
         let mut tx = conn.begin().await?;
         // Serialises instances that start together: concurrent CREATE TABLE IF NOT
         // EXISTS can still collide in the catalog.
         sqlx::query("SELECT pg_advisory_xact_lock(7306086953163416933)")
             .execute(&mut *tx)
             .await?;
-        sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
-            .execute(&mut *tx)
-            .await?;
+        // Every script is safe to run again (IF NOT EXISTS), and DDL is
+        // transactional: all of them apply, or none.
+        for (script, _) in scripts {
+            sqlx::raw_sql(AssertSqlSafe(script.clone()))
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await
     }
 
@@ -188,7 +236,7 @@ impl Store for Postgres {
         } else {
             &sql.claim_new
         };
-        let mut tx = conn.begin().await?;
+        let mut tx = begin(conn, sql).await?;
         let query = claim.bind(id, sqlx::query(AssertSqlSafe(statement.clone())));
         let timeout = claim.lock_ms.to_string();
         let claimed = match &sql.lock {
@@ -213,12 +261,15 @@ impl Store for Postgres {
             }
         };
         match claimed {
-            Ok(Some(_)) => Ok(Some(tx)),
+            Ok(Some(_)) => {
+                protect(&mut tx).await?;
+                Ok(Some(tx))
+            }
             Ok(None) => {
                 tx.rollback().await?;
                 Ok(None)
             }
-            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+            Err(error) if lost_race(&error) => {
                 tx.rollback().await?;
                 Ok(None)
             }
@@ -236,7 +287,7 @@ impl Store for Postgres {
         let Some(open) = sql.open.as_ref().filter(|_| !read_first) else {
             return look_then_claim(conn, sql, id, claim).await;
         };
-        let mut tx = conn.begin().await?;
+        let mut tx = begin(conn, sql).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
             .bind(advisory_key(id))
@@ -245,14 +296,14 @@ impl Store for Postgres {
             .await;
         let row = match row {
             Ok(row) => row,
-            // A claim committed since this statement's snapshot: the race was lost.
-            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+            Err(error) if lost_race(&error) => {
                 tx.rollback().await?;
                 return Ok(Opened::Lost);
             }
             Err(error) => return Err(error),
         };
         if row.try_get::<Option<i64>, _>("claimed")?.is_some() {
+            protect(&mut tx).await?;
             return Ok(Opened::Claimed(tx));
         }
         // Nothing was written: the rollback goes out at the connection's next use
@@ -282,43 +333,28 @@ impl Store for Postgres {
         response: Recorded<'c>,
         announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
-        let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-        let statement = if announce.is_some() {
-            &sql.record_announced
-        } else {
-            &sql.record
-        };
-        let query = sqlx::query(AssertSqlSafe(statement.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(lease)
-            .bind(status)
-            .bind(response.headers)
-            .bind(response.body);
-        let recorded = match announce {
-            Some(signal) => {
-                let count: i64 = query
-                    .bind(signal.to_string())
-                    .fetch_one(conn)
-                    .await?
-                    .try_get(0)?;
-                count
+        match record(conn, sql, id, lease, &response, announce).await {
+            // The handler caught a database error and answered anyway: what it
+            // wrote is void, as PostgreSQL voids an aborted transaction's writes;
+            // its claim, taken before the savepoint, still stands.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
+                let back = format!("ROLLBACK TO SAVEPOINT {HANDLER_SAVEPOINT}");
+                sqlx::raw_sql(AssertSqlSafe(back))
+                    .execute(&mut *conn)
+                    .await?;
+                record(conn, sql, id, lease, &response, announce).await
             }
-            None => {
-                let done = query.execute(conn).await?;
-                i64::try_from(done.rows_affected()).unwrap_or(i64::MAX)
-            }
-        };
-        Ok(recorded == 1)
+            recorded => recorded,
+        }
     }
 
     async fn idem_lock_left(
         conn: &mut PgConnection,
-        _sql: &Sql,
+        sql: &Sql,
         id: &Identity<'_>,
         lock_ms: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(LOCK_LEFT)
+        sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
             .bind(advisory_key(id))
             .bind(lock_ms)
             .fetch_optional(conn)
@@ -375,8 +411,82 @@ impl Store for Postgres {
     }
 }
 
+/// Opens a keyed transaction. The partitioned layout's claim must see every row
+/// committed before its lock was granted, which only READ COMMITTED guarantees: a
+/// snapshot taken at the transaction's first statement predates the lock.
+async fn begin<'c>(
+    conn: &'c mut PgConnection,
+    sql: &Sql,
+) -> Result<Transaction<'c, Postgres>, sqlx::Error> {
+    if sql.lock.is_some() {
+        conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+    } else {
+        conn.begin().await
+    }
+}
+
+/// Sets the handler's savepoint, once the claim is taken.
+async fn protect(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(format!("SAVEPOINT {HANDLER_SAVEPOINT}")))
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// A claim that failed because another executor took or changed the key since this
+/// statement's snapshot: a unique violation, or, at REPEATABLE READ and
+/// SERIALIZABLE, a serialization failure.
+fn lost_race(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(error) => {
+            error.is_unique_violation() || error.code().as_deref() == Some("40001")
+        }
+        _ => false,
+    }
+}
+
+/// The recording statement; `true` when it completed this executor's claim.
+async fn record(
+    conn: &mut PgConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+    lease: i64,
+    response: &Recorded<'_>,
+    announce: Option<u64>,
+) -> Result<bool, sqlx::Error> {
+    let status = i16::try_from(response.status).unwrap_or(i16::MAX);
+    let statement = if announce.is_some() {
+        &sql.record_announced
+    } else {
+        &sql.record
+    };
+    let query = sqlx::query(AssertSqlSafe(statement.clone()))
+        .bind(id.scope)
+        .bind(id.key)
+        .bind(lease)
+        .bind(status)
+        .bind(response.headers)
+        .bind(response.body);
+    let recorded = match announce {
+        Some(signal) => {
+            let count: i64 = query
+                .bind(signal.to_string())
+                .fetch_one(conn)
+                .await?
+                .try_get(0)?;
+            count
+        }
+        None => {
+            let done = query.execute(conn).await?;
+            i64::try_from(done.rows_affected()).unwrap_or(i64::MAX)
+        }
+    };
+    Ok(recorded == 1)
+}
+
 /// The seed of the advisory lock taken with a claim: the key's 64-bit signal; the
-/// SQL mixes in the schema. A collision between two live keys only makes one of
+/// SQL mixes in the table's oid. A collision between two live keys only makes one of
 /// them answer 409 for a moment.
 fn advisory_key(id: &Identity<'_>) -> i64 {
     i64::from_be_bytes(signal_of(&id.digest).to_be_bytes())
@@ -604,6 +714,7 @@ mod tests {
                 key: "k",
                 method: "POST",
                 path: "/p",
+                content_type: "",
                 fingerprint: &fingerprint,
                 digest: crate::signal::key_digest("idempotency_keys", "s", "k"),
             };

@@ -46,6 +46,11 @@ pub enum Problem {
     ResponseTooLarge,
     /// 500: the handler panicked or its response body failed; its work was rolled back.
     HandlerFailed,
+    /// 500: the endpoint's [`Options`](crate::Options) are inconsistent (`lock` not
+    /// shorter than `ttl`): nothing was run or stored. The `#[idempotent]`
+    /// attribute refuses such options at compile time; this catches options built
+    /// by hand.
+    InvalidOptions,
     /// 503: the database could not be reached or failed mid-request. Nothing was
     /// committed unless the failure struck the commit itself, and a retry finds
     /// either the stored response or a free key. Carries `Retry-After: 1`.
@@ -61,7 +66,9 @@ impl Problem {
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::ResponseTooLarge | Self::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ResponseTooLarge | Self::HandlerFailed | Self::InvalidOptions => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             Self::LeaseExpired | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -78,6 +85,7 @@ impl Problem {
             Self::LeaseExpired => "lease-expired",
             Self::ResponseTooLarge => "response-too-large",
             Self::HandlerFailed => "handler-failed",
+            Self::InvalidOptions => "invalid-options",
             Self::StoreUnavailable => "store-unavailable",
         }
     }
@@ -94,6 +102,7 @@ impl Problem {
             Self::LeaseExpired => "Request ran past its lock and was rolled back",
             Self::ResponseTooLarge => "Response too large to store",
             Self::HandlerFailed => "Request handler failed",
+            Self::InvalidOptions => "Endpoint misconfigured",
             Self::StoreUnavailable => "Idempotency store unavailable",
         }
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Migration, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -27,24 +27,34 @@ pub struct Sql {
 impl Store for Sqlite {
     type IdemSql = Sql;
 
-    const IDEM_MIGRATION: &'static str =
-        include_str!("../../migrations/sqlite/0001_idempotency_keys.sql");
+    const IDEM_MIGRATIONS: &'static [Migration] = &[
+        Migration {
+            sql: include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
+            adds: None,
+        },
+        Migration {
+            sql: include_str!("../../migrations/sqlite/0002_content_type.sql"),
+            adds: Some("content_type"),
+        },
+    ];
 
     fn idem_sql(table: &str, _partitioned: bool) -> Sql {
         Sql {
             lookup: format!(
-                "SELECT state, method, path, fingerprint, status, headers, body, \
+                "SELECT state, method, path, content_type, fingerprint, status, headers, body, \
                         locked_until > {NOW_MS} AS live, expires_at > {NOW_MS} AS fresh \
                  FROM {table} WHERE scope = ?1 AND idempotency_key = ?2"
             )
             .into(),
             claim: format!(
                 "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                        fingerprint, locked_until, expires_at, created_at) \
-                 VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, {NOW_MS}) \
+                        fingerprint, locked_until, expires_at, created_at, content_type) \
+                 VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, \
+                        {NOW_MS}, ?9) \
                  ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
                         state = 'processing', lease = excluded.lease, method = excluded.method, \
-                        path = excluded.path, fingerprint = excluded.fingerprint, status = NULL, \
+                        path = excluded.path, fingerprint = excluded.fingerprint, \
+                        content_type = excluded.content_type, status = NULL, \
                         headers = NULL, body = NULL, locked_until = excluded.locked_until, \
                         expires_at = excluded.expires_at, created_at = excluded.created_at \
                  WHERE {table}.expires_at <= {NOW_MS} \
@@ -78,11 +88,30 @@ impl Store for Sqlite {
         }
     }
 
-    async fn idem_migrate(conn: &mut SqliteConnection, script: &str) -> Result<(), sqlx::Error> {
+    async fn idem_migrate(
+        conn: &mut SqliteConnection,
+        table: &str,
+        scripts: &[(String, Option<&'static str>)],
+    ) -> Result<(), sqlx::Error> {
+        // The write lock serialises instances; DDL is transactional here.
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
-            .execute(&mut *tx)
-            .await?;
+        for (script, adds) in scripts {
+            if let Some(column) = adds {
+                let has: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
+                )
+                .bind(table)
+                .bind(*column)
+                .fetch_one(&mut *tx)
+                .await?;
+                if has > 0 {
+                    continue;
+                }
+            }
+            sqlx::raw_sql(AssertSqlSafe(script.clone()))
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await
     }
 

@@ -133,9 +133,10 @@ impl<DB: Backend> Idempotency<DB> {
         self.inner.body_timeout
     }
 
-    /// The SQL that creates the key table, for this backend and table name. The same
-    /// text, for the default name, is in `migrations/<backend>/` of the repository, to
-    /// copy into your own migration tool.
+    /// The SQL that creates the key table and applies every upgrade since, for this
+    /// backend and table name. The same files, for the default name, are in
+    /// `migrations/<backend>/` of the repository, to copy in order into your own
+    /// migration tool.
     ///
     /// # Examples
     ///
@@ -145,11 +146,23 @@ impl<DB: Backend> Idempotency<DB> {
     /// # }
     /// ```
     pub fn migration_sql(&self) -> String {
-        let script = match DB::IDEM_PARTITIONED_MIGRATION {
+        self.migrations()
+            .into_iter()
+            .map(|(sql, _)| sql)
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// This store's migrations, in order, for its table.
+    fn migrations(&self) -> Vec<(String, Option<&'static str>)> {
+        let migrations = match DB::IDEM_PARTITIONED_MIGRATIONS {
             Some(partitioned) if self.inner.partitioned => partitioned,
-            _ => DB::IDEM_MIGRATION,
+            _ => DB::IDEM_MIGRATIONS,
         };
-        script.replace(DEFAULT_TABLE, &self.inner.table)
+        migrations
+            .iter()
+            .map(|m| (m.sql.replace(DEFAULT_TABLE, &self.inner.table), m.adds))
+            .collect()
     }
 
     /// Whether the table uses the partitioned layout.
@@ -157,8 +170,9 @@ impl<DB: Backend> Idempotency<DB> {
         self.inner.partitioned
     }
 
-    /// Creates the key table and its index if they do not exist. Safe to call from
-    /// every instance at start-up.
+    /// Creates the key table and its index if they do not exist, and upgrades a
+    /// table an earlier release created, in place, keeping its keys. Safe to call
+    /// from every instance at start-up.
     ///
     /// This does not go through `sqlx::migrate!`: that would record idem's version
     /// in your `_sqlx_migrations` table, and your own migrator would then refuse to
@@ -171,7 +185,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// Any database error.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        DB::idem_migrate(&mut conn, &self.migration_sql()).await
+        DB::idem_migrate(&mut conn, &self.inner.table, &self.migrations()).await
     }
 }
 

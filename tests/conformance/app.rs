@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{any, post};
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use idem::axum::IdempotentRequest;
@@ -78,6 +78,7 @@ pub fn router_on<H: Harness>(store: Idempotency<H::DB>) -> Router {
     Router::new()
         .route("/effects", post(effect::<H>).put(effect::<H>))
         .route("/other", post(effect::<H>))
+        .route("/any", any(effect::<H>))
         .route(
             "/small",
             post(effect::<H>).layer(axum::extract::DefaultBodyLimit::max(1024)),
@@ -117,6 +118,7 @@ async fn effect<H: Harness>(
     let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
     let block = Duration::from_millis(number(&headers, "x-block-ms"));
     let big = usize::try_from(number(&headers, "x-big")).unwrap_or(0);
+    let big_headers = usize::try_from(number(&headers, "x-big-headers")).unwrap_or(0);
     let status = StatusCode::from_u16(u16::try_from(number(&headers, "x-status")).unwrap_or(0))
         .unwrap_or(StatusCode::CREATED);
     let panics = headers.contains_key("x-panic");
@@ -164,7 +166,13 @@ async fn effect<H: Harness>(
                     // Keys out of order: a JSON column would reorder them.
                     format!(r#"{{"z":1,"id":{id},"nonce":"{nonce}","a":2}}"#)
                 };
-                Response::builder()
+                let mut response = Response::builder();
+                // Response headers of `big_headers` bytes in all, 8 KiB a header.
+                for (n, chunk) in (0..big_headers).step_by(8192).enumerate() {
+                    let len = (big_headers - chunk).min(8192);
+                    response = response.header(format!("x-big-{n}"), "h".repeat(len));
+                }
+                response
                     .status(status)
                     .header("content-type", "application/json")
                     .header("x-custom", "kept")

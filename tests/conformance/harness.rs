@@ -35,6 +35,11 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// write lock, so a takeover can only happen once it wakes and rolls back.
     const STALLED_WRITER_BLOCKS_TAKEOVER: bool = false;
 
+    /// PostgreSQL: a failed statement aborts the whole transaction, so a handler
+    /// that catches the error keeps none of its writes; elsewhere only the failed
+    /// statement is undone.
+    const ERROR_VOIDS_TRANSACTION: bool = false;
+
     /// `None` when the backend is not reachable outside CI (the caller says so).
     fn start(max_response_bytes: usize) -> impl Future<Output = Option<Self>> + Send;
 
@@ -58,6 +63,20 @@ pub trait Harness: Send + Sync + Sized + 'static {
 
     fn effects(&self, scope: &str) -> impl Future<Output = i64> + Send;
 
+    /// Runs one statement (placeholders `$1`, `$2`, ... in order of use) with text
+    /// arguments on a handler's connection; the rows it changed.
+    fn exec<'a>(
+        conn: &'a mut <Self::DB as sqlx::Database>::Connection,
+        sql: &'a str,
+        args: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>>;
+
+    /// A `SELECT count(*)` (placeholders as in [`exec`](Self::exec)), through the pool.
+    fn count(&self, sql: &str, args: &[&str]) -> impl Future<Output = i64> + Send;
+
+    /// Runs a script of several statements through the pool: an app's schema.
+    fn script(&self, sql: &str) -> impl Future<Output = ()> + Send;
+
     fn key_rows(&self, scope: &str) -> impl Future<Output = Vec<(String, KeyRow)>> + Send;
 
     /// What a crashed executor leaves: a `processing` row whose lock ran out.
@@ -79,6 +98,15 @@ pub trait Harness: Send + Sync + Sized + 'static {
         count: i64,
         completed: bool,
     ) -> impl Future<Output = ()> + Send;
+
+    /// A key table named `table` as the first release created it
+    /// (`migrations/<backend>/0001_*`, in this harness's layout), holding, in scope
+    /// `alice`, a completed key `k-old` (`POST /effects` with `body`, answered 201
+    /// `old-body`) and a crashed executor's stale claim `k-stale`.
+    fn legacy_table(&self, table: &str, body: &[u8]) -> impl Future<Output = ()> + Send;
+
+    /// A store in this harness's layout on another `table` of the same database.
+    fn store_on(&self, table: &str) -> Idempotency<Self::DB>;
 
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
@@ -137,6 +165,24 @@ impl Drop for Leftover {
     }
 }
 
+/// `$1`, `$2`, ... as MySQL's `?`, for statements that use each placeholder once,
+/// in order.
+fn question_marks(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) {
+            while chars.peek().is_some_and(char::is_ascii_digit) {
+                chars.next();
+            }
+            out.push('?');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
@@ -147,9 +193,19 @@ fn in_ci() -> bool {
 pub struct PgLayout<const PARTITIONED: bool> {
     admin: PgPool,
     pool: PgPool,
+    /// Another instance's pool: its `search_path` starts with an empty schema of
+    /// its own, so `current_schema()` differs while the tables are the same.
+    other_pool: PgPool,
     store: Idempotency<Postgres>,
     schema: String,
     _leftover: Leftover,
+}
+
+/// The isolation level a CI configuration set as the database's or role's default
+/// (`IDEM_TEST_POSTGRES_ISOLATION`, e.g. `repeatable read`): checked, so that a
+/// run meant for it cannot pass at another.
+fn expected_pg_isolation() -> Option<String> {
+    std::env::var("IDEM_TEST_POSTGRES_ISOLATION").ok()
 }
 
 pub type Pg = PgLayout<false>;
@@ -157,6 +213,8 @@ pub type PgParted = PgLayout<true>;
 
 impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     type DB = Postgres;
+
+    const ERROR_VOIDS_TRANSACTION: bool = true;
 
     async fn start(max_response_bytes: usize) -> Option<Self> {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
@@ -178,19 +236,31 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             Err(error) => panic!("PostgreSQL not reachable at {url}: {error}"),
         };
         let schema = unique("idem_test");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&admin)
-            .await
-            .expect("create schema");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other"
+        )))
+        .execute(&admin)
+        .await
+        .expect("create schema");
+        let options = options.application_name(&schema);
         let pool = PgPoolOptions::new()
             .max_connections(24)
-            .connect_with(
-                options
-                    .application_name(&schema)
-                    .options([("search_path", schema.as_str())]),
-            )
+            .connect_with(options.clone().options([("search_path", schema.as_str())]))
             .await
             .expect("connect to test schema");
+        let other_path = format!("{schema}_other, {schema}");
+        let other_pool = PgPoolOptions::new()
+            .max_connections(24)
+            .connect_with(options.options([("search_path", other_path.as_str())]))
+            .await
+            .expect("connect with another search path");
+        if let Some(expected) = expected_pg_isolation() {
+            let level: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+                .fetch_one(&pool)
+                .await
+                .expect("isolation level");
+            assert_eq!(level, expected, "the default isolation level of this run");
+        }
         sqlx::raw_sql(
             "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, note TEXT NOT NULL)",
         )
@@ -208,11 +278,14 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         }
         let leftover = Leftover::statement::<sqlx::PgConnection>(
             url,
-            format!("DROP SCHEMA IF EXISTS {schema} CASCADE"),
+            format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE; DROP SCHEMA IF EXISTS {schema}_other CASCADE"
+            ),
         );
         Some(Self {
             admin,
             pool,
+            other_pool,
             store,
             schema,
             _leftover: leftover,
@@ -224,7 +297,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     }
 
     fn another_instance(&self) -> Idempotency<Postgres> {
-        let mut builder = Idempotency::builder(self.pool.clone())
+        let mut builder = Idempotency::builder(self.other_pool.clone())
             .max_response_bytes(self.store.max_response_bytes());
         if PARTITIONED {
             builder = builder.partitioned_by_day();
@@ -252,6 +325,35 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             .fetch_one(&self.pool)
             .await
             .expect("count effects")
+    }
+
+    fn exec<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        sql: &'a str,
+        args: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
+            for arg in args {
+                query = query.bind(*arg);
+            }
+            Ok(query.execute(conn).await?.rows_affected())
+        })
+    }
+
+    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
+        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()));
+        for arg in args {
+            query = query.bind(*arg);
+        }
+        query.fetch_one(&self.pool).await.expect("count")
+    }
+
+    async fn script(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .expect("script");
     }
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
@@ -323,6 +425,36 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         .expect("insert expired keys");
     }
 
+    async fn legacy_table(&self, table: &str, body: &[u8]) {
+        let first = if PARTITIONED {
+            include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql")
+        } else {
+            include_str!("../../migrations/postgres/0001_idempotency_keys.sql")
+        };
+        self.script(&first.replace("idempotency_keys", table)).await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             VALUES ('alice', 'k-old', 'completed', 1, 'POST', '/effects', $1, 201, \
+                     'content-type: application/json\r\n'::bytea, 'old-body'::bytea, \
+                     now(), now() + interval '1 hour', now()), \
+                    ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', $1, NULL, \
+                     NULL, NULL, now() - interval '1 second', now() + interval '1 hour', now())"
+        )))
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("legacy rows");
+    }
+
+    fn store_on(&self, table: &str) -> Idempotency<Postgres> {
+        let mut builder = Idempotency::builder(self.pool.clone()).table(table);
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        builder.build().expect("store")
+    }
+
     async fn open_transactions(&self) -> i64 {
         sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
@@ -336,6 +468,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     async fn finish(self) {
         self.pool.close().await;
+        self.other_pool.close().await;
         self.admin.close().await;
     }
 }
@@ -424,6 +557,35 @@ impl Harness for Lite {
             .expect("count effects")
     }
 
+    fn exec<'a>(
+        conn: &'a mut sqlx::SqliteConnection,
+        sql: &'a str,
+        args: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
+            for arg in args {
+                query = query.bind(*arg);
+            }
+            Ok(query.execute(conn).await?.rows_affected())
+        })
+    }
+
+    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
+        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()));
+        for arg in args {
+            query = query.bind(*arg);
+        }
+        query.fetch_one(&self.pool).await.expect("count")
+    }
+
+    async fn script(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .expect("script");
+    }
+
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(
             "SELECT idempotency_key, state, method, path, fingerprint, status, headers, body \
@@ -495,6 +657,32 @@ impl Harness for Lite {
         .expect("insert expired keys");
     }
 
+    async fn legacy_table(&self, table: &str, body: &[u8]) {
+        let first = include_str!("../../migrations/sqlite/0001_idempotency_keys.sql");
+        self.script(&first.replace("idempotency_keys", table)).await;
+        let now_ms = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             VALUES ('alice', 'k-old', 'completed', 1, 'POST', '/effects', ?1, 201, \
+                     CAST('content-type: application/json' || char(13, 10) AS BLOB), \
+                     CAST('old-body' AS BLOB), {now_ms}, {now_ms} + 3600000, {now_ms}), \
+                    ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', ?1, NULL, \
+                     NULL, NULL, {now_ms} - 1000, {now_ms} + 3600000, {now_ms})"
+        )))
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("legacy rows");
+    }
+
+    fn store_on(&self, table: &str) -> Idempotency<Sqlite> {
+        Idempotency::builder(self.pool.clone())
+            .table(table)
+            .build()
+            .expect("store")
+    }
+
     async fn open_transactions(&self) -> i64 {
         // SQLite cannot list other connections' transactions, but a writer that was
         // left open holds the write lock: try to take it without waiting.
@@ -529,6 +717,29 @@ pub struct My {
     _leftover: Leftover,
 }
 
+impl My {
+    /// A store on a pool of one connection whose sessions start with `init` (the
+    /// application's own session settings).
+    pub async fn store_with_session(&self, init: &'static str) -> (MySqlPool, Idempotency<MySql>) {
+        let url = std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_URL");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql(init).execute(conn).await?;
+                    Ok(())
+                })
+            })
+            .connect_with(options.database(&self.database))
+            .await
+            .expect("connect with session settings");
+        let store = Idempotency::new(pool.clone());
+        (pool, store)
+    }
+}
+
 impl Harness for My {
     type DB = MySql;
 
@@ -556,8 +767,23 @@ impl Harness for My {
             .execute(&admin)
             .await
             .expect("create database");
+        // A CI configuration's isolation level (`IDEM_TEST_MYSQL_ISOLATION`, e.g.
+        // `READ COMMITTED`), as an application would set it on every session.
+        let isolation = std::env::var("IDEM_TEST_MYSQL_ISOLATION").ok();
         let pool = MySqlPoolOptions::new()
             .max_connections(24)
+            .after_connect(move |conn, _| {
+                let isolation = isolation.clone();
+                Box::pin(async move {
+                    if let Some(level) = isolation {
+                        let set = format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}");
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(set))
+                            .execute(conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_with(options.database(&database))
             .await
             .expect("connect to test database");
@@ -610,6 +836,35 @@ impl Harness for My {
             .fetch_one(&self.pool)
             .await
             .expect("count effects")
+    }
+
+    fn exec<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        sql: &'a str,
+        args: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(question_marks(sql)));
+            for arg in args {
+                query = query.bind(*arg);
+            }
+            Ok(query.execute(conn).await?.rows_affected())
+        })
+    }
+
+    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
+        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(question_marks(sql)));
+        for arg in args {
+            query = query.bind(*arg);
+        }
+        query.fetch_one(&self.pool).await.expect("count")
+    }
+
+    async fn script(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .expect("script");
     }
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
@@ -681,6 +936,33 @@ impl Harness for My {
         .execute(&self.pool)
         .await
         .expect("insert expired keys");
+    }
+
+    async fn legacy_table(&self, table: &str, body: &[u8]) {
+        let first = include_str!("../../migrations/mysql/0001_idempotency_keys.sql");
+        self.script(&first.replace("idempotency_keys", table)).await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             VALUES ('alice', 'k-old', 'completed', 1, 'POST', '/effects', ?, 201, \
+                     CONCAT('content-type: application/json', CHAR(13), CHAR(10)), 'old-body', \
+                     UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, UTC_TIMESTAMP(6)), \
+                    ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', ?, NULL, NULL, \
+                     NULL, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, \
+                     UTC_TIMESTAMP(6))"
+        )))
+        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.pool)
+        .await
+        .expect("legacy rows");
+    }
+
+    fn store_on(&self, table: &str) -> Idempotency<MySql> {
+        Idempotency::builder(self.pool.clone())
+            .table(table)
+            .build()
+            .expect("store")
     }
 
     async fn open_transactions(&self) -> i64 {

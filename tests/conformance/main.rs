@@ -9,7 +9,10 @@
 #![allow(missing_docs, unreachable_pub)]
 
 mod app;
+mod bank;
+mod edges;
 mod harness;
+mod realistic;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +23,16 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Barrier;
 
 use app::{Got, Req, router, send};
+use edges::{
+    content_type_is_part_of_the_identity, expired_key_duplicates_answer_at_once,
+    inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
+    the_table_holds_legal_requests_and_responses,
+};
 use harness::{Harness, Lite, My, Pg, PgParted};
+use realistic::{
+    caught_database_errors_are_recorded, handler_savepoints_keep_working,
+    nested_routes_keep_their_identity, storms_over_two_instances_execute_each_key_once,
+};
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
@@ -624,12 +636,20 @@ async fn stale_claim_is_taken_over_once<H: Harness>() {
     assert_eq!(h.effects("alice").await, 1);
     assert_eq!(h.key_rows("alice").await[0].1.state, "completed");
 
-    // A stale claim is still a claim on its request: another body is 422.
+    // A claim nobody completed holds nothing once its lock has passed: a request
+    // with another body is not refused, it takes the key over.
     h.insert_stale_claim("alice", "k-crashed-2", "POST", "/effects", b"{}")
         .await;
     let other = send(&app, &Req::post("alice", "k-crashed-2", BODY)).await;
-    assert_eq!(other.status, 422);
-    assert_eq!(h.effects("alice").await, 1);
+    assert_eq!(other.status, 201, "{}", other.text());
+    assert_eq!(other.outcome, Some(Outcome::TakenOver));
+    assert_eq!(h.effects("alice").await, 2);
+    let replay = send(&app, &Req::post("alice", "k-crashed-2", BODY)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, other.body);
+    let mismatch = send(&app, &Req::post("alice", "k-crashed-2", "{}")).await;
+    assert_eq!(mismatch.status, 422, "the taker's request is the key's now");
+    assert_eq!(h.effects("alice").await, 2);
     h.finish().await;
 }
 
@@ -1142,4 +1162,13 @@ conformance!(
     sweep_deletes_only_expired_completed_keys,
     sweep_runs_beside_the_hot_path,
     operator_view_lists_and_inspects_keys,
+    nested_routes_keep_their_identity,
+    caught_database_errors_are_recorded,
+    handler_savepoints_keep_working,
+    storms_over_two_instances_execute_each_key_once,
+    content_type_is_part_of_the_identity,
+    the_table_holds_legal_requests_and_responses,
+    expired_key_duplicates_answer_at_once,
+    inconsistent_options_are_refused,
+    migrate_upgrades_a_table_of_the_previous_release,
 );

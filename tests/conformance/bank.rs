@@ -1,0 +1,225 @@
+//! An app written the way axum users write them, with `#[idempotent]`: routers
+//! nested under path parameters and versions, `merge`, `nest_service`, an auth
+//! `route_layer`, URI-rewriting middleware inside and outside the router, a handler
+//! that catches a unique violation, one that opens a savepoint of its own.
+
+use std::marker::PhantomData;
+
+use axum::body::Body;
+use axum::extract::{FromRef, Path, Request};
+use axum::http::{StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use idem::{Idempotency, Scope, Tx, idempotent};
+use serde::Deserialize;
+use sqlx::Connection as _;
+use tower::Layer as _;
+use tower::util::BoxCloneSyncService;
+use tower_http::normalize_path::NormalizePathLayer;
+
+use crate::harness::Harness;
+
+/// The bank's own tables: no generated ids, so one script fits every backend.
+pub const SCHEMA: &str = "\
+    CREATE TABLE transfers (account VARCHAR(64) NOT NULL, owner VARCHAR(64) NOT NULL, \
+        amount VARCHAR(32) NOT NULL, via VARCHAR(255) NOT NULL); \
+    CREATE TABLE users (email VARCHAR(255) PRIMARY KEY, owner VARCHAR(64) NOT NULL); \
+    CREATE TABLE coupons_used (code VARCHAR(64) PRIMARY KEY, owner VARCHAR(64) NOT NULL); \
+    CREATE TABLE orders (owner VARCHAR(64) NOT NULL, item VARCHAR(64) NOT NULL, \
+        discounted VARCHAR(8) NOT NULL); \
+    CREATE TABLE audit (owner VARCHAR(64) NOT NULL, what VARCHAR(255) NOT NULL);";
+
+/// The caller, as the auth layer found it.
+#[derive(Clone, Debug)]
+pub struct User(pub String);
+
+impl Scope for User {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        self.0.as_str().into()
+    }
+}
+
+/// `Authorization: Bearer <name>`, or 401 before any handler runs.
+async fn auth(mut request: Request, next: Next) -> Response {
+    let user = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|name| User(name.to_owned()));
+    match user {
+        Some(user) => {
+            request.extensions_mut().insert(user);
+            next.run(request).await
+        }
+        None => StatusCode::UNAUTHORIZED.into_response(),
+    }
+}
+
+pub struct Bank<H: Harness> {
+    idempotency: Idempotency<H::DB>,
+    _harness: PhantomData<fn() -> H>,
+}
+
+impl<H: Harness> Clone for Bank<H> {
+    fn clone(&self) -> Self {
+        Self {
+            idempotency: self.idempotency.clone(),
+            _harness: PhantomData,
+        }
+    }
+}
+
+impl<H: Harness> FromRef<Bank<H>> for Idempotency<H::DB> {
+    fn from_ref(bank: &Bank<H>) -> Self {
+        bank.idempotency.clone()
+    }
+}
+
+#[derive(Deserialize)]
+pub struct NewTransfer {
+    amount: i64,
+}
+
+/// POST …/accounts/{acct}/transfers: one row per execution, in `acct`.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn transfer<H: Harness>(
+    Extension(user): Extension<User>,
+    Path(acct): Path<String>,
+    uri: Uri,
+    mut tx: Tx<H::DB>,
+    Json(req): Json<NewTransfer>,
+) -> Response {
+    let amount = req.amount.to_string();
+    let via = uri.path().to_owned();
+    let sql = "INSERT INTO transfers (account, owner, amount, via) VALUES ($1, $2, $3, $4)";
+    match H::exec(&mut *tx, sql, &[&acct, &user.0, &amount, &via]).await {
+        Ok(_) => (StatusCode::CREATED, format!(r#"{{"account":"{acct}"}}"#)).into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+pub struct SignUp {
+    email: String,
+}
+
+/// POST /v1/users: a taken email is this handler's own 409, caught from the
+/// database's unique violation. On PostgreSQL that leaves the transaction aborted.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn sign_up<H: Harness>(
+    Extension(user): Extension<User>,
+    mut tx: Tx<H::DB>,
+    Json(req): Json<SignUp>,
+) -> (StatusCode, String) {
+    let audit = "INSERT INTO audit (owner, what) VALUES ($1, $2)";
+    let what = format!("sign-up attempt {}", req.email);
+    if let Err(error) = H::exec(&mut *tx, audit, &[&user.0, &what]).await {
+        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string());
+    }
+    let insert = "INSERT INTO users (email, owner) VALUES ($1, $2)";
+    match H::exec(&mut *tx, insert, &[&req.email, &user.0]).await {
+        Ok(_) => (StatusCode::CREATED, r#"{"created":true}"#.to_owned()),
+        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => (
+            StatusCode::CONFLICT,
+            format!(r#"{{"error":"email taken","email":"{}"}}"#, req.email),
+        ),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+pub struct NewOrder {
+    item: String,
+    coupon: String,
+}
+
+/// POST /v1/orders: redeems the coupon inside a savepoint of its own; a coupon
+/// already used rolls back to it and the order goes on without the discount.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn order<H: Harness>(
+    Extension(user): Extension<User>,
+    mut tx: Tx<H::DB>,
+    Json(req): Json<NewOrder>,
+) -> (StatusCode, String) {
+    let discounted = match tx.begin().await {
+        Ok(mut savepoint) => {
+            let redeem = "INSERT INTO coupons_used (code, owner) VALUES ($1, $2)";
+            match H::exec(&mut *savepoint, redeem, &[&req.coupon, &user.0]).await {
+                Ok(_) => match savepoint.commit().await {
+                    Ok(()) => true,
+                    Err(error) => return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+                },
+                Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+                    if let Err(error) = savepoint.rollback().await {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string());
+                    }
+                    false
+                }
+                Err(error) => return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+            }
+        }
+        Err(error) => return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    };
+    let flag = if discounted { "yes" } else { "no" };
+    let insert = "INSERT INTO orders (owner, item, discounted) VALUES ($1, $2, $3)";
+    if let Err(error) = H::exec(&mut *tx, insert, &[&user.0, &req.item, flag]).await {
+        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string());
+    }
+    (
+        StatusCode::CREATED,
+        format!(r#"{{"item":"{}","discounted":{discounted}}}"#, req.item),
+    )
+}
+
+/// A middleware inside the router that rewrites every URI the handlers see, as
+/// some apps do to strip tenant prefixes: the identity must not follow it.
+async fn rewrite_uri(mut request: Request, next: Next) -> Response {
+    *request.uri_mut() = Uri::from_static("/rewritten");
+    next.run(request).await
+}
+
+pub type Service = BoxCloneSyncService<Request, Response, std::convert::Infallible>;
+
+/// The whole app, behind `NormalizePath` (trailing slashes trimmed before routing).
+pub fn app<H: Harness>(idempotency: Idempotency<H::DB>) -> Service {
+    let state = Bank::<H> {
+        idempotency,
+        _harness: PhantomData,
+    };
+    let accounts = Router::new().route("/transfers", post(transfer::<H>));
+    let v1 = Router::new()
+        .nest("/accounts/{acct}", accounts.clone())
+        .route("/orders", post(order::<H>))
+        .merge(Router::new().route("/users", post(sign_up::<H>)));
+    let v2 = Router::new().nest("/accounts/{acct}", accounts);
+    // The same routes as a service of their own, mounted with `nest_service`.
+    let legacy = Router::new()
+        .route("/accounts/{acct}/transfers", post(transfer::<H>))
+        .with_state(state.clone());
+    let rewritten = Router::new()
+        .route("/accounts/{acct}/transfers", post(transfer::<H>))
+        .layer(middleware::from_fn(rewrite_uri));
+    let router = Router::new()
+        .nest("/v1", v1)
+        .nest("/v2", v2)
+        .nest("/internal", rewritten)
+        .route_layer(middleware::from_fn(auth))
+        .nest_service("/legacy", legacy.layer(middleware::from_fn(auth)))
+        .with_state(state);
+    BoxCloneSyncService::new(NormalizePathLayer::trim_trailing_slash().layer(router))
+}
+
+/// Sends one request to the app; `Body` and headers as a client would.
+pub fn request(path: &str, user: &str, key: &str, body: &str) -> Request {
+    Request::builder()
+        .method("POST")
+        .uri(path)
+        .header("authorization", format!("Bearer {user}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .expect("valid request")
+}

@@ -1,0 +1,209 @@
+//! Identity, table and configuration edges: content types, requests and responses
+//! the table must hold whole, expired keys under a storm, inconsistent options,
+//! and tables created by an earlier release.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::Method;
+use idem::Outcome;
+use tokio::sync::Barrier;
+
+use crate::app::{self, Req, router, router_on, send};
+use crate::harness::{Harness, My};
+use crate::{BODY, assert_in_flight, start, unique_suffix};
+
+/// SPEC §2: the body's Content-Type belongs to the identity: the same bytes sent
+/// as JSON and as a form are two requests.
+pub async fn content_type_is_part_of_the_identity<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let json = Req::post("alice", "k-ct", BODY).header("content-type", "application/json");
+    let first = send(&app, &json).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let form = Req::post("alice", "k-ct", BODY)
+        .header("content-type", "application/x-www-form-urlencoded");
+    let other = send(&app, &form).await;
+    assert_eq!(other.status, 422, "{}", other.text());
+    assert!(other.text().contains("Content-Type"), "{}", other.text());
+    let none = send(&app, &Req::post("alice", "k-ct", BODY)).await;
+    assert_eq!(none.status, 422, "no content type is another one");
+    let again = send(&app, &json).await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(again.body, first.body);
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
+/// A legal request or response is stored whole, never refused by a column: an
+/// extension method of 40 characters, a 6 KiB query, 100 KiB of response headers.
+pub async fn the_table_holds_legal_requests_and_responses<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let method = Method::from_bytes(b"RECONCILE-LEDGER-ENTRIES-FOR-THE-QUARTER").expect("token");
+    let long = Req::post("alice", "k-method", BODY)
+        .path("/any")
+        .method(method.clone());
+    let first = send(&app, &long).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let replay = send(&app, &long).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+    assert_eq!(replay.body, first.body);
+
+    let query = format!("/any?filter={}", "q".repeat(6 * 1024));
+    let long_path = Req::post("alice", "k-path", BODY).path(&query);
+    assert_eq!(send(&app, &long_path).await.status, 201);
+    let replay = send(&app, &long_path).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+
+    let big = Req::post("alice", "k-headers", BODY).header("x-big-headers", 100 * 1024);
+    let first = send(&app, &big).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let replay = send(&app, &big).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+    assert!(first.headers.contains_key("x-big-12"), "100 KiB of headers");
+    for (name, value) in &first.headers {
+        if name != "set-cookie" {
+            assert_eq!(replay.headers.get(name), Some(value), "{name}");
+        }
+    }
+    assert_eq!(h.effects("alice").await, 3);
+    h.finish().await;
+}
+
+/// §4.1 for a key whose ttl has passed: duplicates of it are answered 409 at once
+/// while the first holds it, as for a new key, and never queue on its row holding
+/// pooled connections: an unrelated request completes meanwhile.
+pub async fn expired_key_duplicates_answer_at_once<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    h.insert_expired("alice", "k-expired-", 1, true).await;
+    let key = "k-expired-1";
+    let gate = format!("gate-{}", unique_suffix());
+    let req = Req::post("alice", key, BODY)
+        .header("x-gate", &gate)
+        .header("x-lock-ms", 30_000);
+    let barrier = Arc::new(Barrier::new(40));
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..40 {
+        let (app, req, barrier) = (app.clone(), req.clone(), Arc::clone(&barrier));
+        requests.spawn(async move {
+            barrier.wait().await;
+            send(&app, &req).await
+        });
+    }
+    let mut early = Vec::new();
+    // The holder stays at its gate: a duplicate queued behind it could only answer
+    // after its 30 s lock, far beyond this bound.
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        while early.len() < 39 {
+            early.push(requests.join_next().await.expect("task").expect("request"));
+        }
+        // SQLite has one writer, which the holder keeps: nothing else can write.
+        if !H::STALLED_WRITER_BLOCKS_TAKEOVER {
+            let unrelated = send(&app, &Req::post("alice", "k-unrelated", BODY)).await;
+            assert_eq!(unrelated.status, 201, "{}", unrelated.text());
+        }
+    })
+    .await;
+    app::open_gate(&gate);
+    answered.expect("duplicates of an expired key queued behind its holder");
+    for got in &early {
+        assert_in_flight(got);
+    }
+    let winner = requests.join_next().await.expect("task").expect("request");
+    assert_eq!(winner.status, 201, "{}", winner.text());
+    let unrelated = i64::from(!H::STALLED_WRITER_BLOCKS_TAKEOVER);
+    assert_eq!(
+        h.effects("alice").await,
+        1 + unrelated,
+        "the expired key once"
+    );
+    h.finish().await;
+}
+
+/// `Options` built by hand are held to the attribute's rule, `lock` < `ttl`:
+/// otherwise 500 `invalid-options`, and nothing runs or is stored.
+pub async fn inconsistent_options_are_refused<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let req = Req::post("alice", "k-options", BODY)
+        .header("x-ttl-ms", 1_000)
+        .header("x-lock-ms", 5_000);
+    let got = send(&app, &req).await;
+    assert_eq!(got.status, 500, "{}", got.text());
+    assert_eq!(got.problem().as_deref(), Some("invalid-options"));
+    assert!(got.text().contains("lock"), "{}", got.text());
+    assert_eq!(h.effects("alice").await, 0);
+    assert!(h.key_rows("alice").await.is_empty());
+    h.finish().await;
+}
+
+/// A table created by the previous release, with live keys in it, is upgraded in
+/// place by `migrate()`: its completed key still replays, its stale claim is taken
+/// over, and new keys get the new identity rules; migrating again changes nothing.
+pub async fn migrate_upgrades_a_table_of_the_previous_release<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let table = "legacy_keys";
+    h.legacy_table(table, BODY.as_bytes()).await;
+    let store = h.store_on(table);
+    store.migrate().await.expect("upgrade");
+    store.migrate().await.expect("again");
+    let app = router_on::<H>(store);
+
+    // Recorded before content types were stored: any content type replays it.
+    let old = Req::post("alice", "k-old", BODY).header("content-type", "text/plain");
+    let replay = send(&app, &old).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+    assert_eq!(replay.text(), "old-body");
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+
+    let stale = send(&app, &Req::post("alice", "k-stale", BODY)).await;
+    assert_eq!(stale.outcome, Some(Outcome::TakenOver), "{}", stale.text());
+
+    let json = Req::post("alice", "k-new", BODY).header("content-type", "application/json");
+    assert_eq!(send(&app, &json).await.status, 201);
+    let form = Req::post("alice", "k-new", BODY).header("content-type", "text/plain");
+    assert_eq!(send(&app, &form).await.status, 422);
+    let long = Req::post("alice", "k-long", BODY)
+        .path("/any")
+        .method(Method::from_bytes(b"A-METHOD-LONGER-THAN-SIXTEEN").expect("token"));
+    assert_eq!(send(&app, &long).await.status, 201);
+    assert_eq!(h.effects("alice").await, 3);
+    assert_eq!(
+        h.count(&format!("SELECT count(*) FROM {table}"), &[]).await,
+        4
+    );
+    h.finish().await;
+}
+
+/// MySQL/MariaDB: the session settings idem changes for a claim (`wait_timeout`,
+/// `innodb_lock_wait_timeout`) come back to the application's own values, not the
+/// server's defaults, after every kind of request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_session_settings_are_restored() {
+    let Some(h) = start::<My>().await else { return };
+    let init = "SET SESSION wait_timeout = 12345, innodb_lock_wait_timeout = 77";
+    let (pool, store) = h.store_with_session(init).await;
+    let app = router_on::<My>(store);
+    h.insert_expired("alice", "k-exp-", 1, true).await;
+    for req in [
+        Req::post("alice", "k-new", BODY),
+        Req::post("alice", "k-new", BODY),
+        Req::post("alice", "k-exp-1", BODY),
+        Req::post("alice", "k-fail", BODY).header("x-status", 500),
+    ] {
+        let got = send(&app, &req).await;
+        assert!(matches!(got.status, 201 | 500), "{}", got.text());
+        let (wait, lock): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(@@SESSION.wait_timeout AS SIGNED), \
+                        CAST(@@SESSION.innodb_lock_wait_timeout AS SIGNED)",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("session settings");
+        assert_eq!((wait, lock), (12345, 77), "after {:?}", req.keys);
+    }
+    pool.close().await;
+    h.finish().await;
+}

@@ -1,0 +1,292 @@
+//! The suite on the bank app (`bank.rs`): identities through nesting and rewriting,
+//! handlers that catch database errors or open savepoints, and storms over two
+//! instances whose sessions differ.
+
+use std::collections::HashMap;
+
+use axum::http::{HeaderMap, Request};
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use idem::Outcome;
+use tower::ServiceExt as _;
+
+use crate::bank::{self, Service};
+use crate::harness::Harness;
+use crate::start;
+
+/// A response of the bank app, as the client saw it.
+#[derive(Clone, Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub outcome: Option<Outcome>,
+}
+
+impl Answer {
+    fn problem(&self) -> Option<String> {
+        let text = String::from_utf8_lossy(&self.body);
+        let start = text.find("urn:idem:problem:")? + "urn:idem:problem:".len();
+        let end = text[start..].find('"')? + start;
+        Some(text[start..end].to_owned())
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some()
+    }
+}
+
+async fn call(app: &Service, request: Request<axum::body::Body>) -> Answer {
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let outcome = response.extensions().get::<Outcome>().copied();
+    let (parts, body) = response.into_parts();
+    Answer {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body: body.collect().await.expect("body").to_bytes(),
+        outcome,
+    }
+}
+
+async fn pay(app: &Service, path: &str, user: &str, key: &str) -> Answer {
+    call(app, bank::request(path, user, key, r#"{"amount":100}"#)).await
+}
+
+async fn start_bank<H: Harness>() -> Option<(H, Service)> {
+    let h = start::<H>().await?;
+    h.script(bank::SCHEMA).await;
+    let app = bank::app::<H>(h.store().clone());
+    Some((h, app))
+}
+
+async fn transfers<H: Harness>(h: &H, account: &str) -> i64 {
+    h.count(
+        "SELECT count(*) FROM transfers WHERE account = $1",
+        &[account],
+    )
+    .await
+}
+
+/// SPEC §2: the identity is the path and query the client sent. One key sent to
+/// routes that differ only in a path parameter, a version prefix, a service mounted
+/// with `nest_service`, or behind a middleware that rewrites the URI the handler
+/// sees, is a payload mismatch there, never a replay of another account's answer.
+pub async fn nested_routes_keep_their_identity<H: Harness>() {
+    let Some((h, app)) = start_bank::<H>().await else {
+        return;
+    };
+    let first = pay(&app, "/v1/accounts/A/transfers", "alice", "k1").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    for path in [
+        "/v1/accounts/B/transfers",
+        "/v2/accounts/A/transfers",
+        "/legacy/accounts/A/transfers",
+        "/internal/accounts/A/transfers",
+        "/v1/accounts/A/transfers?dry_run=1",
+    ] {
+        let other = pay(&app, path, "alice", "k1").await;
+        assert_eq!(other.status, 422, "{path}: {other:?}");
+        assert_eq!(other.problem().as_deref(), Some("payload-mismatch"));
+    }
+    // A trailing slash is trimmed before routing: the same request, replayed.
+    let slash = pay(&app, "/v1/accounts/A/transfers/", "alice", "k1").await;
+    assert!(slash.replayed(), "{slash:?}");
+    assert_eq!(slash.body, first.body);
+
+    // Behind the rewriting middleware every handler sees one URI; two accounts
+    // still have two identities.
+    let a = pay(&app, "/internal/accounts/A/transfers", "alice", "k2").await;
+    assert_eq!(a.status, 201, "{a:?}");
+    let b = pay(&app, "/internal/accounts/B/transfers", "alice", "k2").await;
+    assert_eq!(b.status, 422, "{b:?}");
+
+    // Fresh keys execute on every mount, each once.
+    for (n, path) in [
+        "/v1/accounts/B/transfers",
+        "/v2/accounts/B/transfers",
+        "/legacy/accounts/B/transfers",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let key = format!("k-b-{n}");
+        assert_eq!(pay(&app, path, "alice", &key).await.status, 201);
+        assert!(pay(&app, path, "alice", &key).await.replayed());
+    }
+    assert_eq!(transfers(&h, "A").await, 2, "k1 and k2 on A");
+    assert_eq!(transfers(&h, "B").await, 3, "one per fresh key on B");
+
+    // Without credentials the auth layer answers before anything is claimed.
+    let mut anonymous = bank::request("/v1/accounts/C/transfers", "x", "k9", "{}");
+    anonymous.headers_mut().remove("authorization");
+    assert_eq!(call(&app, anonymous).await.status, 401);
+    assert_eq!(
+        h.count(
+            "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1",
+            &["k9"]
+        )
+        .await,
+        0
+    );
+    h.finish().await;
+}
+
+/// SPEC §4.3–4.4: a handler that catches a database error (a unique violation) and
+/// answers its own 409 has that answer recorded and replayed on every backend,
+/// concurrent duplicates included; what it wrote follows the database's own rules
+/// (PostgreSQL voids an aborted transaction's writes, the others only the failed
+/// statement's).
+pub async fn caught_database_errors_are_recorded<H: Harness>() {
+    let Some((h, app)) = start_bank::<H>().await else {
+        return;
+    };
+    let body = r#"{"email":"ann@example.com"}"#;
+    let created = call(&app, bank::request("/v1/users", "alice", "s1", body)).await;
+    assert_eq!(created.status, 201, "{created:?}");
+
+    let dups = (0..6).map(|_| {
+        let app = app.clone();
+        tokio::spawn(async move { call(&app, bank::request("/v1/users", "bob", "s2", body)).await })
+    });
+    let mut answers = Vec::new();
+    for dup in dups {
+        answers.push(dup.await.expect("request"));
+    }
+    let taken: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == 409 && a.problem().is_none())
+        .collect();
+    assert!(!taken.is_empty(), "{answers:?}");
+    for answer in &answers {
+        match answer.problem() {
+            None => {
+                assert_eq!(answer.status, 409);
+                assert_eq!(answer.body, taken[0].body, "I2");
+            }
+            Some(problem) => assert_eq!(problem, "in-flight", "{answer:?}"),
+        }
+    }
+    let retry = call(&app, bank::request("/v1/users", "bob", "s2", body)).await;
+    assert!(
+        retry.replayed(),
+        "the handler's own 409 is replayed: {retry:?}"
+    );
+    assert_eq!(retry.outcome, Some(Outcome::Replayed));
+    assert_eq!(retry.body, taken[0].body);
+
+    let audit = h
+        .count("SELECT count(*) FROM audit WHERE owner = $1", &["bob"])
+        .await;
+    let expected = if H::ERROR_VOIDS_TRANSACTION { 0 } else { 1 };
+    assert_eq!(
+        audit, expected,
+        "bob's audit row, written before the violation"
+    );
+    assert_eq!(
+        h.count(
+            "SELECT count(*) FROM users WHERE email = $1",
+            &["ann@example.com"]
+        )
+        .await,
+        1
+    );
+    let rows = h.key_rows("bob").await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].1.state, "completed");
+    assert_eq!(rows[0].1.status, Some(409));
+    assert_eq!(h.open_transactions().await, 0);
+    h.finish().await;
+}
+
+/// A handler's own savepoint (`begin()` on its transaction) keeps working inside
+/// idem's: rolled back on a unique violation, the rest of the handler commits.
+pub async fn handler_savepoints_keep_working<H: Harness>() {
+    let Some((h, app)) = start_bank::<H>().await else {
+        return;
+    };
+    let body = r#"{"item":"tea","coupon":"WELCOME"}"#;
+    let first = call(&app, bank::request("/v1/orders", "alice", "o1", body)).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(String::from_utf8_lossy(&first.body).contains(r#""discounted":true"#));
+    let second = call(&app, bank::request("/v1/orders", "alice", "o2", body)).await;
+    assert_eq!(second.status, 201, "{second:?}");
+    assert!(String::from_utf8_lossy(&second.body).contains(r#""discounted":false"#));
+    let again = call(&app, bank::request("/v1/orders", "alice", "o2", body)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, second.body);
+    assert_eq!(
+        h.count("SELECT count(*) FROM orders WHERE owner = $1", &["alice"])
+            .await,
+        2
+    );
+    assert_eq!(
+        h.count(
+            "SELECT count(*) FROM coupons_used WHERE code = $1",
+            &["WELCOME"]
+        )
+        .await,
+        1
+    );
+    h.finish().await;
+}
+
+/// I1 under the session settings a deployment chooses (isolation level, search
+/// path; CI runs it under each): 150 keys × 6 duplicates spread over two instances,
+/// retried like a client until each has its answer, execute each key exactly once.
+pub async fn storms_over_two_instances_execute_each_key_once<H: Harness>() {
+    const KEYS: usize = 150;
+    const DUPLICATES: usize = 6;
+    let Some((h, one)) = start_bank::<H>().await else {
+        return;
+    };
+    let two = bank::app::<H>(h.another_instance());
+    let mut tasks = tokio::task::JoinSet::new();
+    for key in 0..KEYS {
+        for dup in 0..DUPLICATES {
+            let app = if dup % 2 == 0 {
+                one.clone()
+            } else {
+                two.clone()
+            };
+            tasks.spawn(async move {
+                let path = format!("/v1/accounts/acct-{key}/transfers");
+                let key = format!("storm-{key}");
+                for _ in 0..400 {
+                    let answer = pay(&app, &path, "alice", &key).await;
+                    match answer.status {
+                        201 => return (key, answer),
+                        // In flight, or the store refused for a moment (a
+                        // serialization failure at commit): retry as a client does.
+                        409 | 503 => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                        _ => panic!("{key}: {answer:?}"),
+                    }
+                }
+                panic!("{key} never completed");
+            });
+        }
+    }
+    let mut answers: HashMap<String, Bytes> = HashMap::new();
+    while let Some(done) = tasks.join_next().await {
+        let (key, answer) = done.expect("storm request");
+        let first = answers
+            .entry(key.clone())
+            .or_insert_with(|| answer.body.clone());
+        assert_eq!(*first, answer.body, "I2 for {key}");
+    }
+    assert_eq!(answers.len(), KEYS);
+    let twice = h
+        .count(
+            "SELECT count(*) FROM (SELECT account FROM transfers GROUP BY account \
+             HAVING count(*) > 1) AS t",
+            &[],
+        )
+        .await;
+    let total = h.count("SELECT count(*) FROM transfers", &[]).await;
+    println!(
+        "storm on {}: {KEYS} keys, {total} transfers, {twice} keys executed twice",
+        std::any::type_name::<H>()
+    );
+    assert_eq!(twice, 0, "keys executed twice");
+    assert_eq!(total, i64::try_from(KEYS).expect("small"));
+    h.finish().await;
+}

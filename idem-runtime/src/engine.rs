@@ -739,7 +739,16 @@ impl<DB: Backend> Idempotency<DB> {
 
     fn store_failed(&self, error: &sqlx::Error) -> (Outcome, Response<Bytes>) {
         tracing::warn!(%error, "idempotency store failed");
-        let detail = "the idempotency store failed; retry with the same key";
+        // SERIALIZABLE (or REPEATABLE READ) refused the transaction: it committed
+        // nothing, and saying so spares a client the doubt.
+        let serialization = matches!(error, sqlx::Error::Database(e)
+            if matches!(e.code().as_deref(), Some("40001" | "40P01")));
+        let detail = if serialization {
+            "the database could not serialize this request with concurrent ones \
+             (serialization failure); nothing was committed: retry with the same key"
+        } else {
+            "the idempotency store failed; retry with the same key"
+        };
         (
             Outcome::StoreFailed,
             self.problem(Problem::StoreUnavailable, detail),

@@ -381,10 +381,16 @@ impl Store for Postgres {
         sql: &Sql,
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
+        // READ COMMITTED whatever the default: at SERIALIZABLE a sweep would take
+        // part in conflict tracking, fail, and fail the claims it overlapped.
+        let mut tx = conn
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await?;
         let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
             .bind(limit)
-            .execute(conn)
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(done.rows_affected())
     }
 

@@ -10,6 +10,7 @@ use http_body_util::BodyExt as _;
 use idem::Outcome;
 use tower::ServiceExt as _;
 
+use crate::app::{is_serialization_failure, serializable_run};
 use crate::bank::{self, Service};
 use crate::harness::Harness;
 use crate::start;
@@ -36,7 +37,26 @@ impl Answer {
     }
 }
 
+/// Sends a request; on a SERIALIZABLE run, again after a serialization failure
+/// (see `app::send`).
 async fn call(app: &Service, request: Request<axum::body::Body>) -> Answer {
+    let (parts, body) = request.into_parts();
+    let body = body.collect().await.expect("request body").to_bytes();
+    let mut tries = 0;
+    loop {
+        let attempt = Request::from_parts(parts.clone(), axum::body::Body::from(body.clone()));
+        let answer = call_once(app, attempt).await;
+        tries += 1;
+        if !(serializable_run() && is_serialization_failure(answer.status, &answer.body))
+            || tries > 50
+        {
+            return answer;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5 * tries)).await;
+    }
+}
+
+async fn call_once(app: &Service, request: Request<axum::body::Body>) -> Answer {
     let response = app.clone().oneshot(request).await.expect("infallible");
     let outcome = response.extensions().get::<Outcome>().copied();
     let (parts, body) = response.into_parts();

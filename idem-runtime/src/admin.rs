@@ -124,7 +124,7 @@ pub(crate) async fn fetch<DB>(
     params: Vec<&str>,
 ) -> Result<Vec<KeyRecord>, sqlx::Error>
 where
-    DB: sqlx::Database,
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
@@ -134,7 +134,8 @@ where
     for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
 {
-    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql));
+    // Unprepared: an operator's query is rare, and must work through a pooler.
+    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false);
     for param in params {
         statement = statement.bind(param);
     }

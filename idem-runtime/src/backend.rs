@@ -86,14 +86,16 @@ impl Found {
 
     /// Runs a backend's lookup statement (parameters: scope, key) and decodes the
     /// row it finds; the SQL is each backend's, the binding and decoding are not.
+    /// `prepared`: whether the statement is kept prepared on the connection.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) async fn load<DB>(
         conn: &mut DB::Connection,
         sql: &std::sync::Arc<str>,
         id: &Identity<'_>,
+        prepared: bool,
     ) -> Result<Option<Self>, sqlx::Error>
     where
-        DB: Database,
+        DB: Database + sqlx::database::HasStatementCache,
         for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
         for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
         for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
@@ -106,6 +108,7 @@ impl Found {
         for<'r> Option<Vec<u8>>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     {
         let row = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .persistent(prepared)
             .bind(id.scope)
             .bind(id.key)
             .fetch_optional(conn)
@@ -200,6 +203,16 @@ pub(crate) async fn look_then_claim<'c, DB: sealed::Store>(
     })
 }
 
+/// Store settings that change the SQL a backend sends; only PostgreSQL has any.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Layout {
+    /// The layout partitioned by day of expiry.
+    pub partitioned: bool,
+    /// Connections go through a pooler in transaction mode: statements are sent
+    /// unprepared, and only inside transactions.
+    pub transaction_pooled: bool,
+}
+
 /// One file of `migrations/<backend>/`.
 #[derive(Debug, Clone, Copy)]
 pub struct Migration {
@@ -226,10 +239,9 @@ pub mod sealed {
         #[doc(hidden)]
         type IdemSql: Send + Sync + 'static;
 
-        /// `partitioned`: the PostgreSQL layout partitioned by day of expiry; other
-        /// backends are never asked for it.
+        /// The statements for `table` in the store's `layout`.
         #[doc(hidden)]
-        fn idem_sql(table: &str, partitioned: bool) -> Self::IdemSql;
+        fn idem_sql(table: &str, layout: Layout) -> Self::IdemSql;
 
         /// The backend's migrations in order, for the default table name.
         #[doc(hidden)]

@@ -410,8 +410,16 @@ impl<DB: Backend> Idempotency<DB> {
         // Subscribed before the first look, so an announcement between a look and
         // the wait that follows it is not lost.
         let mut waiting = (!wait.is_zero()).then(|| {
-            if let Some((signals, stop)) = self.inner.signals.watch_once() {
-                DB::idem_watch(&self.inner.pool, signals, stop);
+            // Through a transaction pooler LISTEN cannot work: only a pool of its
+            // own carries it; without one, waiters look again on their own.
+            let listen = match &self.inner.listen_pool {
+                Some(pool) => Some(pool),
+                None => (!self.inner.transaction_pooled).then_some(&self.inner.pool),
+            };
+            if let Some(pool) = listen
+                && let Some((signals, stop)) = self.inner.signals.watch_once()
+            {
+                DB::idem_watch(pool, signals, stop);
             }
             (self.inner.signals.subscribe(), TokioInstant::now() + wait)
         });

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Migration, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
 use crate::key::to_hex;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
@@ -45,7 +45,7 @@ impl Store for MySql {
         },
     ];
 
-    fn idem_sql(table: &str, _partitioned: bool) -> Sql {
+    fn idem_sql(table: &str, _layout: Layout) -> Sql {
         // The claim's parameters as columns of `v`, in `Claim::bind` order: for the
         // `UPDATE`, whose `SET` comes before its `WHERE`.
         let params = "SELECT ? AS scope, ? AS idempotency_key, ? AS lease, ? AS method, \
@@ -148,7 +148,7 @@ impl Store for MySql {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        Found::load::<MySql>(conn, &sql.lookup, id).await
+        Found::load::<MySql>(conn, &sql.lookup, id, true).await
     }
 
     async fn idem_claim<'c>(

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{
-    Claim, Found, Identity, Migration, Opened, Recorded, look_then_claim, sealed::Store,
+    Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim, sealed::Store,
 };
 use crate::signal::signal_of;
 use crate::store::Idempotency;
@@ -84,6 +84,9 @@ pub struct Sql {
     lock: Option<Arc<str>>,
     /// Plain layout only: the lookup that also claims the key when it finds nothing.
     open: Option<Arc<str>>,
+    /// Statements stay prepared on their connection: not through a transaction
+    /// pooler, where every statement is sent unprepared and inside a transaction.
+    prepared: bool,
 }
 
 impl Store for Postgres {
@@ -105,7 +108,8 @@ impl Store for Postgres {
         UPGRADE_2,
     ]);
 
-    fn idem_sql(table: &str, partitioned: bool) -> Sql {
+    fn idem_sql(table: &str, layout: Layout) -> Sql {
+        let partitioned = layout.partitioned;
         // Plain layout: the primary key keeps (scope, key) unique, and the lock rides
         // in the claim itself. Partitioned: the key includes `expires_at`, so the
         // claim runs after the lock and inserts only if no partition holds the key.
@@ -156,6 +160,7 @@ impl Store for Postgres {
         Sql {
             lock,
             open,
+            prepared: !layout.transaction_pooled,
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
             claim_new: format!("{insert} WHERE {new_guard} RETURNING lease").into(),
@@ -201,7 +206,8 @@ impl Store for Postgres {
         let mut tx = conn.begin().await?;
         // Serialises instances that start together: concurrent CREATE TABLE IF NOT
         // EXISTS can still collide in the catalog.
-        sqlx::query("SELECT pg_advisory_xact_lock(7306086953163416933)")
+        // Simple protocol: nothing is prepared, so a transaction pooler is fine.
+        sqlx::raw_sql("SELECT pg_advisory_xact_lock(7306086953163416933)")
             .execute(&mut *tx)
             .await?;
         // Every script is safe to run again (IF NOT EXISTS), and DDL is
@@ -219,7 +225,13 @@ impl Store for Postgres {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        Found::load::<Postgres>(conn, &sql.lookup, id).await
+        if sql.prepared {
+            return Found::load::<Postgres>(conn, &sql.lookup, id, true).await;
+        }
+        // Through a transaction pooler an unprepared statement must not stand
+        // alone; the rollback goes out with the connection's next use.
+        let mut tx = conn.begin().await?;
+        Found::load::<Postgres>(&mut tx, &sql.lookup, id, false).await
     }
 
     async fn idem_claim<'c>(
@@ -237,7 +249,9 @@ impl Store for Postgres {
             &sql.claim_new
         };
         let mut tx = begin(conn, sql).await?;
-        let query = claim.bind(id, sqlx::query(AssertSqlSafe(statement.clone())));
+        let query = claim
+            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
+            .persistent(sql.prepared);
         let timeout = claim.lock_ms.to_string();
         let claimed = match &sql.lock {
             None => {
@@ -249,6 +263,7 @@ impl Store for Postgres {
             }
             Some(lock) => {
                 let locked: bool = sqlx::query_scalar(AssertSqlSafe(lock.clone()))
+                    .persistent(sql.prepared)
                     .bind(advisory_key(id))
                     .bind(timeout)
                     .fetch_one(&mut *tx)
@@ -290,6 +305,7 @@ impl Store for Postgres {
         let mut tx = begin(conn, sql).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
+            .persistent(sql.prepared)
             .bind(advisory_key(id))
             .bind(claim.lock_ms.to_string())
             .fetch_one(&mut *tx)
@@ -318,7 +334,8 @@ impl Store for Postgres {
     }
 
     fn idem_heeds_read_first(sql: &Sql) -> bool {
-        sql.open.is_some()
+        // Through a transaction pooler a read costs a transaction either way.
+        sql.open.is_some() && sql.prepared
     }
 
     async fn idem_begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
@@ -354,11 +371,15 @@ impl Store for Postgres {
         id: &Identity<'_>,
         lock_ms: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
+        let query = sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
+            .persistent(sql.prepared)
             .bind(advisory_key(id))
-            .bind(lock_ms)
-            .fetch_optional(conn)
-            .await
+            .bind(lock_ms);
+        if sql.prepared {
+            return query.fetch_optional(conn).await;
+        }
+        let mut tx = conn.begin().await?;
+        query.fetch_optional(&mut *tx).await
     }
 
     fn idem_watch(pool: &PgPool, signals: WeakSender<u64>, stop: oneshot::Receiver<()>) {
@@ -387,6 +408,7 @@ impl Store for Postgres {
             .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await?;
         let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+            .persistent(sql.prepared)
             .bind(limit)
             .execute(&mut *tx)
             .await?;
@@ -413,7 +435,9 @@ impl Store for Postgres {
                     (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint AS age_ms \
              FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
         );
-        fetch::<Postgres>(conn, sql, params).await
+        // In a transaction, so that it is safe through a transaction pooler.
+        let mut tx = conn.begin().await?;
+        fetch::<Postgres>(&mut tx, sql, params).await
     }
 }
 
@@ -468,6 +492,7 @@ async fn record(
         &sql.record
     };
     let query = sqlx::query(AssertSqlSafe(statement.clone()))
+        .persistent(sql.prepared)
         .bind(id.scope)
         .bind(id.key)
         .bind(lease)

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Migration, Recorded, sealed::Store};
+use crate::backend::{Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -38,7 +38,7 @@ impl Store for Sqlite {
         },
     ];
 
-    fn idem_sql(table: &str, _partitioned: bool) -> Sql {
+    fn idem_sql(table: &str, _layout: Layout) -> Sql {
         Sql {
             lookup: format!(
                 "SELECT state, method, path, content_type, fingerprint, status, headers, body, \
@@ -120,7 +120,7 @@ impl Store for Sqlite {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        Found::load::<Sqlite>(conn, &sql.lookup, id).await
+        Found::load::<Sqlite>(conn, &sql.lookup, id, true).await
     }
 
     async fn idem_claim<'c>(

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Layout};
 use crate::signal::{Seen, Signals};
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
@@ -51,6 +51,9 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) max_response_bytes: usize,
     pub(crate) body_timeout: Duration,
     pub(crate) partitioned: bool,
+    pub(crate) transaction_pooled: bool,
+    /// Where `wait`'s listener takes its connection, when not from `pool`.
+    pub(crate) listen_pool: Option<Pool<DB>>,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
     /// Only where the backend heeds it (see `Seen`).
@@ -105,6 +108,8 @@ impl<DB: Backend> Idempotency<DB> {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             partitioned: false,
+            transaction_pooled: false,
+            listen_pool: None,
         }
     }
 
@@ -199,6 +204,8 @@ pub struct Builder<DB: Backend> {
     max_response_bytes: usize,
     body_timeout: Duration,
     partitioned: bool,
+    transaction_pooled: bool,
+    listen_pool: Option<Pool<DB>>,
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -254,7 +261,11 @@ impl<DB: Backend> Builder<DB> {
     }
 
     fn build_unchecked(self) -> Idempotency<DB> {
-        let sql = DB::idem_sql(&self.table, self.partitioned);
+        let layout = Layout {
+            partitioned: self.partitioned,
+            transaction_pooled: self.transaction_pooled,
+        };
+        let sql = DB::idem_sql(&self.table, layout);
         let seen = DB::idem_heeds_read_first(&sql).then(Seen::new);
         Idempotency {
             inner: Arc::new(Inner {
@@ -264,6 +275,8 @@ impl<DB: Backend> Builder<DB> {
                 max_response_bytes: self.max_response_bytes,
                 body_timeout: self.body_timeout,
                 partitioned: self.partitioned,
+                transaction_pooled: self.transaction_pooled,
+                listen_pool: self.listen_pool,
                 sql,
                 signals: Signals::new(),
                 seen,
@@ -293,6 +306,50 @@ impl Builder<sqlx::Postgres> {
     /// ```
     pub fn partitioned_by_day(mut self) -> Self {
         self.partitioned = true;
+        self
+    }
+
+    /// Declares that the pool's connections go through a pooler in transaction
+    /// mode (PgBouncer's `pool_mode = transaction`, or any pooler that hands a
+    /// server connection to a client for one transaction at a time). idem then
+    /// sends every statement of its own unprepared and inside a transaction: a
+    /// named prepared statement does not exist on the next transaction's server
+    /// connection, and an unnamed one sent outside a transaction can be answered
+    /// with another client's result.
+    ///
+    /// `wait` needs `LISTEN`, which a transaction pooler cannot carry: give its
+    /// listener a direct pool with [`listen_pool`](Self::listen_pool), or waiting
+    /// duplicates look again at intervals (25 ms doubling to 500 ms) instead of
+    /// being woken across instances. Your handlers' own statements need the same
+    /// care (`.persistent(false)`; they run inside idem's transaction). See
+    /// `docs/deployment.md`.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_runtime::Idempotency;
+    /// use sqlx::PgPool;
+    ///
+    /// let through_pgbouncer = PgPool::connect("postgres://app@127.0.0.1:6432/app").await?;
+    /// let direct = PgPool::connect("postgres://app@127.0.0.1:5432/app").await?;
+    /// let idempotency = Idempotency::builder(through_pgbouncer)
+    ///     .transaction_pooled()
+    ///     .listen_pool(direct)
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn transaction_pooled(mut self) -> Self {
+        self.transaction_pooled = true;
+        self
+    }
+
+    /// The pool `wait`'s listener takes its one connection from, instead of the
+    /// store's own: a direct connection to PostgreSQL when the store's pool goes
+    /// through a transaction pooler (see
+    /// [`transaction_pooled`](Self::transaction_pooled)).
+    pub fn listen_pool(mut self, pool: sqlx::PgPool) -> Self {
+        self.listen_pool = Some(pool);
         self
     }
 }

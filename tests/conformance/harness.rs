@@ -192,7 +192,12 @@ fn in_ci() -> bool {
 /// PostgreSQL, in the plain layout (`Pg`) or partitioned by day (`PgParted`).
 pub struct PgLayout<const PARTITIONED: bool> {
     admin: PgPool,
+    /// The stores' pool: through PgBouncer on a pooler run.
     pool: PgPool,
+    /// Straight to the server, for the suite's own reads and writes.
+    direct: PgPool,
+    /// Set on a pooler run: the stores are built `transaction_pooled`.
+    pooled: bool,
     /// Another instance's pool: its `search_path` starts with an empty schema of
     /// its own, so `current_schema()` differs while the tables are the same.
     other_pool: PgPool,
@@ -210,6 +215,13 @@ fn expected_pg_isolation() -> Option<String> {
 
 pub type Pg = PgLayout<false>;
 pub type PgParted = PgLayout<true>;
+
+impl<const PARTITIONED: bool> PgLayout<PARTITIONED> {
+    /// A pool straight to the test's database, even on a pooler run.
+    pub fn direct(&self) -> &PgPool {
+        &self.direct
+    }
+}
 
 impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     type DB = Postgres;
@@ -236,27 +248,72 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             Err(error) => panic!("PostgreSQL not reachable at {url}: {error}"),
         };
         let schema = unique("idem_test");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other"
-        )))
-        .execute(&admin)
-        .await
-        .expect("create schema");
-        let options = options.application_name(&schema);
-        let pool = PgPoolOptions::new()
-            .max_connections(24)
-            .connect_with(options.clone().options([("search_path", schema.as_str())]))
-            .await
-            .expect("connect to test schema");
-        let other_path = format!("{schema}_other, {schema}");
-        let other_pool = PgPoolOptions::new()
-            .max_connections(24)
-            .connect_with(options.options([("search_path", other_path.as_str())]))
-            .await
-            .expect("connect with another search path");
+        let pooler = std::env::var("IDEM_TEST_POSTGRES_POOLER_URL").ok();
+        let (pool, direct, other_pool, leftover) = match &pooler {
+            None => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other"
+                )))
+                .execute(&admin)
+                .await
+                .expect("create schema");
+                let options = options.application_name(&schema);
+                let pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(options.clone().options([("search_path", schema.as_str())]))
+                    .await
+                    .expect("connect to test schema");
+                let other_path = format!("{schema}_other, {schema}");
+                let other_pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(options.options([("search_path", other_path.as_str())]))
+                    .await
+                    .expect("connect with another search path");
+                let leftover = Leftover::statement::<sqlx::PgConnection>(
+                    url,
+                    format!(
+                        "DROP SCHEMA IF EXISTS {schema} CASCADE; \
+                         DROP SCHEMA IF EXISTS {schema}_other CASCADE"
+                    ),
+                );
+                (pool.clone(), pool, other_pool, leftover)
+            }
+            // Through a transaction pooler no session setting sticks, so each test
+            // gets a database of its own; both instances go through the pooler.
+            Some(pooler_url) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {schema}")))
+                    .execute(&admin)
+                    .await
+                    .expect("create database");
+                let leftover = Leftover::statement::<sqlx::PgConnection>(
+                    url,
+                    format!("DROP DATABASE IF EXISTS {schema} WITH (FORCE)"),
+                );
+                let direct = PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect_with(options.database(&schema).application_name(&schema))
+                    .await
+                    .expect("connect to test database");
+                let through: PgConnectOptions =
+                    pooler_url.parse().expect("IDEM_TEST_POSTGRES_POOLER_URL");
+                let through = through.database(&schema).application_name(&schema);
+                let pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(through.clone())
+                    .await
+                    .expect("connect through the pooler");
+                let other_pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(through)
+                    .await
+                    .expect("connect through the pooler");
+                (pool, direct, other_pool, leftover)
+            }
+        };
+        let pooled = pooler.is_some();
         if let Some(expected) = expected_pg_isolation() {
             let level: String = sqlx::query_scalar("SHOW default_transaction_isolation")
-                .fetch_one(&pool)
+                .fetch_one(&direct)
                 .await
                 .expect("isolation level");
             assert_eq!(level, expected, "the default isolation level of this run");
@@ -264,27 +321,26 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         sqlx::raw_sql(
             "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, note TEXT NOT NULL)",
         )
-        .execute(&pool)
+        .execute(&direct)
         .await
         .expect("create effects");
         let mut builder = Idempotency::builder(pool.clone()).max_response_bytes(max_response_bytes);
         if PARTITIONED {
             builder = builder.partitioned_by_day();
         }
+        if pooled {
+            builder = builder.transaction_pooled().listen_pool(direct.clone());
+        }
         let store = builder.build().expect("store");
         store.migrate().await.expect("migrate");
         if PARTITIONED {
             store.maintain_partitions(3).await.expect("partitions");
         }
-        let leftover = Leftover::statement::<sqlx::PgConnection>(
-            url,
-            format!(
-                "DROP SCHEMA IF EXISTS {schema} CASCADE; DROP SCHEMA IF EXISTS {schema}_other CASCADE"
-            ),
-        );
         Some(Self {
             admin,
             pool,
+            direct,
+            pooled,
             other_pool,
             store,
             schema,
@@ -302,6 +358,10 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         if PARTITIONED {
             builder = builder.partitioned_by_day();
         }
+        if self.pooled {
+            // No listen pool: this instance's waiters look again on their own.
+            builder = builder.transaction_pooled();
+        }
         builder.build().expect("another instance")
     }
 
@@ -311,7 +371,9 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         note: &'a str,
     ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
         Box::pin(async move {
+            // Unprepared, as statements must be through a transaction pooler.
             sqlx::query_scalar("INSERT INTO effects (scope, note) VALUES ($1, $2) RETURNING id")
+                .persistent(false)
                 .bind(scope)
                 .bind(note)
                 .fetch_one(&mut **tx)
@@ -322,7 +384,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     async fn effects(&self, scope: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE scope = $1")
             .bind(scope)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.direct)
             .await
             .expect("count effects")
     }
@@ -333,7 +395,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         args: &'a [&'a str],
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).persistent(false);
             for arg in args {
                 query = query.bind(*arg);
             }
@@ -346,12 +408,12 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         for arg in args {
             query = query.bind(*arg);
         }
-        query.fetch_one(&self.pool).await.expect("count")
+        query.fetch_one(&self.direct).await.expect("count")
     }
 
     async fn script(&self, sql: &str) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(&self.pool)
+            .execute(&self.direct)
             .await
             .expect("script");
     }
@@ -362,7 +424,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
              FROM idempotency_keys WHERE scope = $1 ORDER BY idempotency_key",
         )
         .bind(scope)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.direct)
         .await
         .expect("read keys");
         rows.iter()
@@ -402,7 +464,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         .bind(method)
         .bind(path)
         .bind(&idem::fingerprint(body)[..])
-        .execute(&self.pool)
+        .execute(&self.direct)
         .await
         .expect("insert stale claim");
     }
@@ -420,7 +482,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         .bind(prefix)
         .bind(state)
         .bind(count)
-        .execute(&self.pool)
+        .execute(&self.direct)
         .await
         .expect("insert expired keys");
     }
@@ -442,7 +504,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
                      NULL, NULL, now() - interval '1 second', now() + interval '1 hour', now())"
         )))
         .bind(&idem::fingerprint(body)[..])
-        .execute(&self.pool)
+        .execute(&self.direct)
         .await
         .expect("legacy rows");
     }
@@ -452,13 +514,17 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         if PARTITIONED {
             builder = builder.partitioned_by_day();
         }
+        if self.pooled {
+            builder = builder.transaction_pooled();
+        }
         builder.build().expect("store")
     }
 
     async fn open_transactions(&self) -> i64 {
         sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
-             WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+             WHERE (application_name = $1 OR datname = $1) \
+               AND state LIKE 'idle in transaction%'",
         )
         .bind(&self.schema)
         .fetch_one(&self.admin)
@@ -469,6 +535,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     async fn finish(self) {
         self.pool.close().await;
         self.other_pool.close().await;
+        self.direct.close().await;
         self.admin.close().await;
     }
 }

@@ -1059,7 +1059,7 @@ async fn partition_maintenance_drops_ended_days() {
         return;
     };
     let app = router(&h);
-    let pool = h.store().pool().clone();
+    let pool = h.direct().clone();
     let old: String =
         sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 3, 'YYYYMMDD')")
             .fetch_one(&pool)

@@ -218,9 +218,19 @@ pub struct Layout {
 pub struct Migration {
     /// The script, for the default table name.
     pub sql: &'static str,
-    /// The column it adds last: a table that has it needs nothing from this script.
-    /// `None` for a script that is safe to run again.
-    pub adds: Option<&'static str>,
+    /// How `migrate()` tells that the table already has it.
+    pub applied: Applied,
+}
+
+/// When a migration is already in place, so that `migrate()` skips it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Never: the script is safe to run again.
+    Rerun,
+    /// It creates the table: in place once the table exists.
+    TableExists,
+    /// It adds this column last: in place once the table has it.
+    HasColumn(&'static str),
 }
 
 /// A response ready to be recorded.
@@ -257,7 +267,7 @@ pub mod sealed {
         fn idem_migrate<'c>(
             conn: &'c mut Self::Connection,
             table: &'c str,
-            scripts: &'c [(String, Option<&'static str>)],
+            scripts: &'c [(String, Applied)],
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
 
         /// Reads (scope, key) outside any transaction.
@@ -300,6 +310,20 @@ pub mod sealed {
         fn idem_heeds_read_first(sql: &Self::IdemSql) -> bool {
             let _ = sql;
             false
+        }
+
+        /// Repairs, if it can, what made a claim fail with `error`; `true` when the
+        /// claim should be tried again. By default nothing can be repaired.
+        /// `ttl_ms`: the failed claim's ttl.
+        #[doc(hidden)]
+        fn idem_repair<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            error: &'c sqlx::Error,
+            ttl_ms: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c {
+            let _ = (conn, sql, error, ttl_ms);
+            std::future::ready(Ok(false))
         }
 
         /// Opens the transaction for a request that carries no key.

@@ -254,6 +254,9 @@ enum Step<F> {
     Done(Outcome, Response<Bytes>),
     /// Another executor holds the key; the handler did not run and comes back.
     InFlight(F),
+    /// The claim failed for a reason the backend has just repaired (a day
+    /// partition was missing): look again at once, this once.
+    Again(F),
 }
 
 impl<F> From<(Outcome, Response<Bytes>)> for Step<F> {
@@ -425,10 +428,19 @@ impl<DB: Backend> Idempotency<DB> {
         });
         let mut pause = FIRST_PAUSE;
         let mut handler = handler;
+        let mut repaired = false;
         loop {
-            handler = match self.attempt(&id, &options, signal, handler).await {
+            handler = match self
+                .attempt(&id, &options, signal, handler, !repaired)
+                .await
+            {
                 Step::Done(outcome, response) => return (outcome, response),
                 Step::InFlight(handler) => handler,
+                Step::Again(again) => {
+                    repaired = true;
+                    handler = again;
+                    continue;
+                }
             };
             match &mut waiting {
                 Some((receiver, deadline)) if TokioInstant::now() < *deadline => {
@@ -450,6 +462,7 @@ impl<DB: Backend> Idempotency<DB> {
         options: &Options,
         signal: u64,
         handler: F,
+        may_repair: bool,
     ) -> Step<F>
     where
         F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
@@ -492,14 +505,28 @@ impl<DB: Backend> Idempotency<DB> {
                         Ok(Some(tx)) => (tx, takeover),
                         other => {
                             let error = other.err();
-                            return self.claim_lost(&mut conn, id, lease, error, handler).await;
+                            let repair = may_repair.then_some(claim.ttl_ms);
+                            return self
+                                .claim_lost(&mut conn, id, lease, error, handler, repair)
+                                .await;
                         }
                     }
                 }
-                Ok(None) => return self.claim_lost(&mut conn, id, lease, None, handler).await,
+                Ok(None) => {
+                    return self
+                        .claim_lost(&mut conn, id, lease, None, handler, None)
+                        .await;
+                }
                 Err(error) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, Some(error), handler)
+                        .claim_lost(
+                            &mut conn,
+                            id,
+                            lease,
+                            Some(error),
+                            handler,
+                            may_repair.then_some(claim.ttl_ms),
+                        )
                         .await;
                 }
             },
@@ -590,7 +617,8 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     /// Answers a request whose claim failed: from what the winner left (409 while it
-    /// runs), or 503 when the database failed.
+    /// runs), or 503 when the database failed. `repair`: the claim's ttl (ms), when
+    /// the backend may repair the cause of an error (see `Step::Again`).
     async fn claim_lost<F>(
         &self,
         conn: &mut PoolConnection<DB>,
@@ -598,9 +626,19 @@ impl<DB: Backend> Idempotency<DB> {
         lease: i64,
         error: Option<sqlx::Error>,
         handler: F,
+        repair: Option<i64>,
     ) -> Step<F> {
         let sql = &self.inner.sql;
         if let Some(error) = error {
+            if let Some(ttl_ms) = repair {
+                match DB::idem_repair(conn, sql, &error, ttl_ms).await {
+                    Ok(true) => return Step::Again(handler),
+                    Ok(false) => {}
+                    Err(repair) => {
+                        tracing::warn!(%repair, %error, "could not repair a failed claim")
+                    }
+                }
+            }
             // A backend may have committed its claim before failing; and the
             // session may be left in any state, so it is not reused.
             let _ = DB::idem_finish(conn, sql, id, lease, false).await;

@@ -23,9 +23,11 @@ mod sweep;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
+mod partitions;
+#[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
-pub use postgres::Partitions;
+pub use partitions::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 

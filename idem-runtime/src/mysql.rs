@@ -10,7 +10,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
+use crate::backend::{Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
 use crate::key::to_hex;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
@@ -37,11 +37,11 @@ impl Store for MySql {
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
             sql: include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
-            adds: None,
+            applied: Applied::TableExists,
         },
         Migration {
             sql: include_str!("../../migrations/mysql/0002_content_type_and_sizes.sql"),
-            adds: Some("content_type"),
+            applied: Applied::HasColumn("content_type"),
         },
     ];
 
@@ -124,7 +124,7 @@ impl Store for MySql {
     async fn idem_migrate(
         conn: &mut MySqlConnection,
         table: &str,
-        scripts: &[(String, Option<&'static str>)],
+        scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {
         // DDL commits implicitly in MySQL: a named lock, not a transaction, keeps
         // instances that start together from racing.
@@ -286,25 +286,36 @@ impl Store for MySql {
     }
 }
 
-/// Applies the scripts `table` lacks: each one adds its marker column last.
+/// Applies the scripts `table` lacks. A script that changes an existing table adds
+/// its marker column last, in the same statement as the rest.
 async fn apply(
     conn: &mut MySqlConnection,
     table: &str,
-    scripts: &[(String, Option<&'static str>)],
+    scripts: &[(String, Applied)],
 ) -> Result<(), sqlx::Error> {
-    for (script, adds) in scripts {
-        if let Some(column) = adds {
-            let has: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM information_schema.COLUMNS \
-                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
-            )
-            .bind(table)
-            .bind(*column)
-            .fetch_one(&mut *conn)
-            .await?;
-            if has > 0 {
-                continue;
-            }
+    for (script, applied) in scripts {
+        let probe = match applied {
+            Applied::Rerun => None,
+            Applied::TableExists => Some(
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM information_schema.TABLES \
+                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+                )
+                .bind(table),
+            ),
+            Applied::HasColumn(column) => Some(
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM information_schema.COLUMNS \
+                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
+                )
+                .bind(table)
+                .bind(*column),
+            ),
+        };
+        if let Some(probe) = probe
+            && probe.fetch_one(&mut *conn).await? > 0
+        {
+            continue;
         }
         sqlx::raw_sql(AssertSqlSafe(script.clone()))
             .execute(&mut *conn)

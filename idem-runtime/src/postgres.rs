@@ -14,10 +14,11 @@ use tokio::sync::oneshot;
 
 use crate::admin::{KeyRecord, Query, fetch};
 use crate::backend::{
-    Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim, sealed::Store,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim,
+    sealed::Store,
 };
+use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day};
 use crate::signal::signal_of;
-use crate::store::Idempotency;
 
 /// Taken with every claim: the advisory try-lock on `seed` (never waits), and the
 /// timeouts (`timeout`, ms) that end the transaction at `lock` even if the
@@ -60,7 +61,7 @@ fn lock_left(table: &str) -> String {
 /// Content types in the request's identity; shared by both layouts.
 const UPGRADE_2: Migration = Migration {
     sql: include_str!("../../migrations/postgres/0002_content_type.sql"),
-    adds: Some("content_type"),
+    applied: Applied::HasColumn("content_type"),
 };
 
 /// The savepoint the handler runs after: a handler that catches a database error
@@ -87,6 +88,7 @@ pub struct Sql {
     /// Statements stay prepared on their connection: not through a transaction
     /// pooler, where every statement is sent unprepared and inside a transaction.
     prepared: bool,
+    table: Box<str>,
 }
 
 impl Store for Postgres {
@@ -95,17 +97,20 @@ impl Store for Postgres {
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
             sql: include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
-            adds: None,
+            applied: Applied::TableExists,
         },
         UPGRADE_2,
     ];
 
+    // Once its table exists, the first script is skipped: it would create a default
+    // partition again after maintenance retired it.
     const IDEM_PARTITIONED_MIGRATIONS: Option<&'static [Migration]> = Some(&[
         Migration {
             sql: include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql"),
-            adds: None,
+            applied: Applied::TableExists,
         },
         UPGRADE_2,
+        UPGRADE_3,
     ]);
 
     fn idem_sql(table: &str, layout: Layout) -> Sql {
@@ -161,6 +166,7 @@ impl Store for Postgres {
             lock,
             open,
             prepared: !layout.transaction_pooled,
+            table: table.into(),
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
             claim_new: format!("{insert} WHERE {new_guard} RETURNING lease").into(),
@@ -200,22 +206,44 @@ impl Store for Postgres {
 
     async fn idem_migrate(
         conn: &mut PgConnection,
-        _table: &str,
-        scripts: &[(String, Option<&'static str>)],
+        table: &str,
+        scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {
         let mut tx = conn.begin().await?;
         // Serialises instances that start together: concurrent CREATE TABLE IF NOT
-        // EXISTS can still collide in the catalog.
-        // Simple protocol: nothing is prepared, so a transaction pooler is fine.
+        // EXISTS can still collide in the catalog. Simple protocol: nothing is
+        // prepared, so a transaction pooler is fine.
         sqlx::raw_sql("SELECT pg_advisory_xact_lock(7306086953163416933)")
             .execute(&mut *tx)
             .await?;
-        // Every script is safe to run again (IF NOT EXISTS), and DDL is
-        // transactional: all of them apply, or none.
-        for (script, _) in scripts {
-            sqlx::raw_sql(AssertSqlSafe(script.clone()))
-                .execute(&mut *tx)
-                .await?;
+        // DDL is transactional: every script applies, or none.
+        for (script, applied) in scripts {
+            let in_place = match applied {
+                Applied::Rerun => false,
+                Applied::TableExists => {
+                    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                        .persistent(false)
+                        .bind(table)
+                        .fetch_one(&mut *tx)
+                        .await?
+                }
+                Applied::HasColumn(column) => {
+                    sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+                         WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)",
+                    )
+                    .persistent(false)
+                    .bind(table)
+                    .bind(*column)
+                    .fetch_one(&mut *tx)
+                    .await?
+                }
+            };
+            if !in_place {
+                sqlx::raw_sql(AssertSqlSafe(script.clone()))
+                    .execute(&mut *tx)
+                    .await?;
+            }
         }
         tx.commit().await
     }
@@ -331,6 +359,27 @@ impl Store for Postgres {
             return Ok(Opened::Lost);
         }
         Found::decode(&row).map(Opened::Found)
+    }
+
+    async fn idem_repair(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        error: &sqlx::Error,
+        ttl_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        // Partitioned layout: a key whose day has no partition (maintenance is
+        // late, or its days ahead fall short of this ttl) fails its check; the
+        // claim attaches the day itself, as maintenance would.
+        let missing_day = sql.lock.is_some()
+            && matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("23514"));
+        if !missing_day {
+            return Ok(false);
+        }
+        let (name, day) = attach_day(conn, &sql.table, DaySpec::ExpiryAfterMs(ttl_ms)).await?;
+        if day == Day::Created {
+            tracing::info!(partition = %name, "attached a missing day partition for a claim");
+        }
+        Ok(day != Day::InDefault)
     }
 
     fn idem_heeds_read_first(sql: &Sql) -> bool {
@@ -563,114 +612,10 @@ async fn relay_announcements(
     }
 }
 
-/// What [`Idempotency::maintain_partitions`] changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Partitions {
-    /// Partitions created, by name.
-    pub created: Vec<String>,
-    /// Partitions detached and dropped, by name.
-    pub dropped: Vec<String>,
-}
-
-impl Idempotency<Postgres> {
-    /// Keeps a table of the partitioned layout (see
-    /// [`Builder::partitioned_by_day`](crate::Builder::partitioned_by_day)) in shape:
-    /// creates the partitions for today and the next `days_ahead` days (UTC) that
-    /// are missing, and drops every day partition whose day has ended, since every
-    /// key in it has expired. Run it daily with `days_ahead` at least your longest
-    /// `ttl` in days: a key whose expiry day has no partition yet lands in the
-    /// default partition, which only the sweeper empties.
-    ///
-    /// Each change is its own short transaction with `lock_timeout = 2s`: attaching
-    /// and detaching lock the parent table, and maintenance should give way to the
-    /// hot path rather than queue it. A call that gave way can simply be repeated.
-    ///
-    /// # Errors
-    ///
-    /// `sqlx::Error::Configuration` if the store is not partitioned; otherwise any
-    /// database error (for example a lock timeout), with earlier changes kept.
-    pub async fn maintain_partitions(&self, days_ahead: u32) -> Result<Partitions, sqlx::Error> {
-        if !self.is_partitioned() {
-            return Err(sqlx::Error::Configuration(
-                "maintain_partitions needs a store built with partitioned_by_day()".into(),
-            ));
-        }
-        let table = self.table();
-        let mut conn = self.pool().acquire().await?;
-        let attached: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1)",
-        )
-        .bind(table)
-        .fetch_all(&mut *conn)
-        .await?;
-        let days: Vec<(String, String, String)> = sqlx::query_as(
-            "SELECT to_char(d, 'YYYYMMDD'), to_char(d, 'YYYY-MM-DD'), \
-                    to_char(d + interval '1 day', 'YYYY-MM-DD') \
-             FROM generate_series((now() AT TIME ZONE 'UTC')::date, \
-                                  (now() AT TIME ZONE 'UTC')::date + $1::int, \
-                                  interval '1 day') AS d",
-        )
-        .bind(i32::try_from(days_ahead).unwrap_or(i32::MAX))
-        .fetch_all(&mut *conn)
-        .await?;
-        let ended: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1) AND c.relname ~ ('^' || $1 || '_p[0-9]{8}$') \
-               AND to_date(right(c.relname, 8), 'YYYYMMDD') + 1 <= (now() AT TIME ZONE 'UTC')::date",
-        )
-        .bind(table)
-        .fetch_all(&mut *conn)
-        .await?;
-
-        let mut changed = Partitions::default();
-        for (stamp, from, to) in days {
-            let name = format!("{table}_p{stamp}");
-            if attached.contains(&name) {
-                continue;
-            }
-            let script = format!(
-                "SET LOCAL lock_timeout = '2s'; \
-                 CREATE TABLE IF NOT EXISTS {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS); \
-                 ALTER TABLE {table} ATTACH PARTITION {name} \
-                     FOR VALUES FROM ('{from} 00:00:00+00') TO ('{to} 00:00:00+00')"
-            );
-            in_transaction(&mut conn, script).await?;
-            changed.created.push(name);
-        }
-        for name in ended {
-            let script = format!(
-                "SET LOCAL lock_timeout = '2s'; \
-                 ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
-            );
-            in_transaction(&mut conn, script).await?;
-            changed.dropped.push(name);
-        }
-        if !changed.created.is_empty() || !changed.dropped.is_empty() {
-            tracing::info!(
-                created = changed.created.len(),
-                dropped = changed.dropped.len(),
-                "idempotency partitions maintained"
-            );
-        }
-        Ok(changed)
-    }
-}
-
-/// Runs `script` (generated from validated identifiers and dates) in one transaction.
-async fn in_transaction(conn: &mut PgConnection, script: String) -> Result<(), sqlx::Error> {
-    let mut tx = conn.begin().await?;
-    sqlx::raw_sql(AssertSqlSafe(script))
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Options;
+    use crate::{Idempotency, Options};
 
     /// A claim whose lookup missed a row that committed meanwhile, with an expiry
     /// on another day: in the plain layout the primary key refuses it; in the

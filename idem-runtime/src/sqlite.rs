@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
+use crate::backend::{Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -30,11 +30,11 @@ impl Store for Sqlite {
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
             sql: include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
-            adds: None,
+            applied: Applied::TableExists,
         },
         Migration {
             sql: include_str!("../../migrations/sqlite/0002_content_type.sql"),
-            adds: Some("content_type"),
+            applied: Applied::HasColumn("content_type"),
         },
     ];
 
@@ -91,22 +91,31 @@ impl Store for Sqlite {
     async fn idem_migrate(
         conn: &mut SqliteConnection,
         table: &str,
-        scripts: &[(String, Option<&'static str>)],
+        scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {
         // The write lock serialises instances; DDL is transactional here.
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        for (script, adds) in scripts {
-            if let Some(column) = adds {
-                let has: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
-                )
-                .bind(table)
-                .bind(*column)
-                .fetch_one(&mut *tx)
-                .await?;
-                if has > 0 {
-                    continue;
-                }
+        for (script, applied) in scripts {
+            let probe = match applied {
+                Applied::Rerun => None,
+                Applied::TableExists => Some(
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                    )
+                    .bind(table),
+                ),
+                Applied::HasColumn(column) => Some(
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
+                    )
+                    .bind(table)
+                    .bind(*column),
+                ),
+            };
+            if let Some(probe) = probe
+                && probe.fetch_one(&mut *tx).await? > 0
+            {
+                continue;
             }
             sqlx::raw_sql(AssertSqlSafe(script.clone()))
                 .execute(&mut *tx)

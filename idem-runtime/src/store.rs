@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use crate::backend::{Backend, Layout};
+use crate::backend::{Applied, Backend, Layout};
 use crate::signal::{Seen, Signals};
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
@@ -159,14 +159,14 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     /// This store's migrations, in order, for its table.
-    fn migrations(&self) -> Vec<(String, Option<&'static str>)> {
+    fn migrations(&self) -> Vec<(String, Applied)> {
         let migrations = match DB::IDEM_PARTITIONED_MIGRATIONS {
             Some(partitioned) if self.inner.partitioned => partitioned,
             _ => DB::IDEM_MIGRATIONS,
         };
         migrations
             .iter()
-            .map(|m| (m.sql.replace(DEFAULT_TABLE, &self.inner.table), m.adds))
+            .map(|m| (m.sql.replace(DEFAULT_TABLE, &self.inner.table), m.applied))
             .collect()
     }
 

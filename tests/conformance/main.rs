@@ -12,6 +12,7 @@ mod app;
 mod bank;
 mod edges;
 mod harness;
+mod partitions;
 mod realistic;
 
 use std::sync::Arc;

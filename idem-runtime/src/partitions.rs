@@ -1,0 +1,350 @@
+//! Day partitions of the PostgreSQL partitioned layout: created ahead by
+//! [`Idempotency::maintain_partitions`], or by the first claim that needs one, and
+//! dropped whole once their day has ended.
+//!
+//! PostgreSQL scans a table it attaches as a partition, and the default partition,
+//! to prove that no row is in the wrong place, under an `ACCESS EXCLUSIVE` lock that
+//! every lookup waits for. Nothing here lets such a scan grow with the table:
+//!
+//! - a new day's table is created empty, so scanning it is free;
+//! - the default partition (of tables created by the first release; it catches keys
+//!   whose day had no partition) is bounded by a `CHECK (expires_at < bound)`,
+//!   added `NOT VALID` by upgrade 3 and validated here under `SHARE UPDATE
+//!   EXCLUSIVE`, which lets claims go on. A valid bound proves the default holds
+//!   nothing for a later day, so attaching one does not scan it. Days before the
+//!   bound stay in the default partition, which keeps taking their keys; once it
+//!   is empty it is dropped, and every key has a day partition.
+//!
+//! Every change runs in a short transaction of its own with `lock_timeout = 2s`, so
+//! it gives way to the hot path rather than queue it, under a per-table advisory
+//! lock, so that maintenance run twice at once, or a claim creating a day, never
+//! races it. Statements are unprepared and inside transactions: they work through a
+//! transaction pooler too.
+
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Row as _};
+
+use crate::backend::{Applied, Migration};
+use crate::store::{DEFAULT_TABLE, Idempotency};
+
+/// What [`Idempotency::maintain_partitions`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partitions {
+    /// Partitions created, by name.
+    pub created: Vec<String>,
+    /// Partitions detached and dropped, by name: ended days, and the default
+    /// partition once it is empty.
+    pub dropped: Vec<String>,
+}
+
+/// Where a day's keys go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Day {
+    /// Its partition was attached now.
+    Created,
+    /// It had one already.
+    Exists,
+    /// The default partition still takes it (the day is before its bound).
+    InDefault,
+}
+
+impl Idempotency<sqlx::Postgres> {
+    /// Keeps a table of the partitioned layout (see
+    /// [`Builder::partitioned_by_day`](crate::Builder::partitioned_by_day)) in shape:
+    /// drops every day partition whose day (UTC) has ended, since every key in it
+    /// has expired; creates the partitions for today and the next `days_ahead` days
+    /// that are missing; and retires the default partition of a table created by
+    /// the first release once it has emptied.
+    ///
+    /// Run it daily, with `days_ahead` at least your longest `ttl` in days, from
+    /// one instance or several: it is correct whenever it runs, late, after days
+    /// missed, twice at once. A key whose day has no partition yet is not refused:
+    /// the claim that needs the day creates it (which needs the privileges that
+    /// `ALTER TABLE ... ATTACH PARTITION` does). Each change is its own short
+    /// transaction (`lock_timeout = 2s`); a step that gives way, or fails, does
+    /// not keep the others from running, and the next run retries it.
+    ///
+    /// # Errors
+    ///
+    /// `sqlx::Error::Configuration` if the store is not partitioned; otherwise the
+    /// first database error among the steps (a lock timeout, say), returned after
+    /// every other step has run.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # async fn demo(idempotency: idem_runtime::Idempotency<sqlx::Postgres>) {
+    /// match idempotency.maintain_partitions(2).await {
+    ///     Ok(changed) => println!("created {:?}, dropped {:?}", changed.created, changed.dropped),
+    ///     Err(error) => eprintln!("partition maintenance: {error} (retried by the next run)"),
+    /// }
+    /// # }
+    /// ```
+    pub async fn maintain_partitions(&self, days_ahead: u32) -> Result<Partitions, sqlx::Error> {
+        if !self.is_partitioned() {
+            return Err(sqlx::Error::Configuration(
+                "maintain_partitions needs a store built with partitioned_by_day()".into(),
+            ));
+        }
+        let table = self.table();
+        let mut conn = self.pool().acquire().await?;
+        let mut changed = Partitions::default();
+        let mut first_error = None;
+        let mut failed = |step: &str, error: sqlx::Error| {
+            tracing::warn!(%error, step, "idempotency partition maintenance step failed");
+            first_error.get_or_insert(error);
+        };
+
+        match ended_days(&mut conn, table).await {
+            Ok(ended) => {
+                for name in ended {
+                    match drop_day(&mut conn, table, &name).await {
+                        Ok(true) => changed.dropped.push(name),
+                        Ok(false) => {}
+                        Err(error) => failed("drop an ended day", error),
+                    }
+                }
+            }
+            Err(error) => failed("list ended days", error),
+        }
+        match retire_default(&mut conn, table).await {
+            Ok(Some(name)) => changed.dropped.push(name),
+            Ok(None) => {}
+            Err(error) => failed("bound or retire the default partition", error),
+        }
+        for offset in 0..=i64::from(days_ahead) {
+            match attach_day(&mut conn, table, DaySpec::Offset(offset)).await {
+                Ok((name, Day::Created)) => changed.created.push(name),
+                Ok(_) => {}
+                Err(error) => failed("create a day", error),
+            }
+        }
+        if !changed.created.is_empty() || !changed.dropped.is_empty() {
+            tracing::info!(
+                created = changed.created.len(),
+                dropped = changed.dropped.len(),
+                "idempotency partitions maintained"
+            );
+        }
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(changed),
+        }
+    }
+}
+
+/// Which day to attach.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum DaySpec {
+    /// Today (UTC) plus this many days.
+    Offset(i64),
+    /// The day a key claimed now with this ttl (ms) expires on.
+    ExpiryAfterMs(i64),
+}
+
+/// Opens a maintenance transaction: gives way after 2 s, and serialises with every
+/// other change to this table's partitions.
+async fn begin<'c>(
+    conn: &'c mut PgConnection,
+    table: &str,
+) -> Result<sqlx::Transaction<'c, sqlx::Postgres>, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '2s'; \
+         SELECT pg_advisory_xact_lock(hashint8extended(7306086953163416934, '{table}'::regclass::oid::int8))"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    Ok(tx)
+}
+
+/// Attaches the partition of one day unless it exists or the default partition
+/// still takes that day. Returns the partition's name.
+pub(crate) async fn attach_day(
+    conn: &mut PgConnection,
+    table: &str,
+    day: DaySpec,
+) -> Result<(String, Day), sqlx::Error> {
+    let mut tx = begin(conn, table).await?;
+    let date = match day {
+        DaySpec::Offset(days) => format!("(now() AT TIME ZONE 'UTC')::date + {days}"),
+        DaySpec::ExpiryAfterMs(ms) => format!(
+            "((clock_timestamp() + {ms}::float8 * interval '1 millisecond') AT TIME ZONE 'UTC')::date"
+        ),
+    };
+    // The day, whether it is attached, and where the default partition stands.
+    let row = sqlx::query(AssertSqlSafe(format!(
+        "WITH d AS (SELECT {date} AS day), \
+              b AS (SELECT k.convalidated AS valid, \
+                           substring(pg_get_constraintdef(k.oid) FROM '''([^'']*)''')::timestamptz AS bound \
+                    FROM pg_constraint k \
+                    WHERE k.conrelid = to_regclass('{table}_default') \
+                      AND k.conname = '{table}_default_bound') \
+         SELECT to_char(d.day, 'YYYYMMDD') AS stamp, to_char(d.day, 'YYYY-MM-DD') AS first, \
+                to_char(d.day + 1, 'YYYY-MM-DD') AS next, \
+                EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                        WHERE i.inhparent = '{table}'::regclass \
+                          AND c.relname = '{table}_p' || to_char(d.day, 'YYYYMMDD')) AS attached, \
+                to_regclass('{table}_default') IS NOT NULL AS has_default, \
+                coalesce((SELECT (d.day::timestamp AT TIME ZONE 'UTC') < b.bound FROM b), true) \
+                    AS default_takes_it, \
+                coalesce((SELECT b.valid FROM b), false) AS bound_valid \
+         FROM d"
+    )))
+    .persistent(false)
+    .fetch_one(&mut *tx)
+    .await?;
+    let stamp: String = row.try_get("stamp")?;
+    let first: String = row.try_get("first")?;
+    let next: String = row.try_get("next")?;
+    let name = format!("{table}_p{stamp}");
+    if row.try_get::<bool, _>("attached")? {
+        return Ok((name, Day::Exists));
+    }
+    let has_default: bool = row.try_get("has_default")?;
+    if has_default && row.try_get::<bool, _>("default_takes_it")? {
+        return Ok((name, Day::InDefault));
+    }
+    let mut script = String::new();
+    if has_default && !row.try_get::<bool, _>("bound_valid")? {
+        // Scans the default partition, but under SHARE UPDATE EXCLUSIVE: claims
+        // and lookups go on. Usually done already by `retire_default`.
+        script.push_str(&format!(
+            "ALTER TABLE {table}_default VALIDATE CONSTRAINT {table}_default_bound; "
+        ));
+    }
+    // Created empty, so attaching scans nothing; the default partition's valid
+    // bound proves it holds nothing for this day, so it is not scanned either.
+    script.push_str(&format!(
+        "CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS); \
+         ALTER TABLE {table} ATTACH PARTITION {name} \
+             FOR VALUES FROM ('{first} 00:00:00+00') TO ('{next} 00:00:00+00')"
+    ));
+    sqlx::raw_sql(AssertSqlSafe(script))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok((name, Day::Created))
+}
+
+/// Day partitions whose day (UTC) has ended.
+async fn ended_days(conn: &mut PgConnection, table: &str) -> Result<Vec<String>, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let names = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = '{table}'::regclass AND c.relname ~ '^{table}_p[0-9]{{8}}$' \
+           AND to_date(right(c.relname, 8), 'YYYYMMDD') + 1 <= (now() AT TIME ZONE 'UTC')::date \
+         ORDER BY 1"
+    )))
+    .persistent(false)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(names)
+}
+
+/// Detaches and drops one ended day, if it is still attached.
+async fn drop_day(conn: &mut PgConnection, table: &str, name: &str) -> Result<bool, sqlx::Error> {
+    let mut tx = begin(conn, table).await?;
+    let attached: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                        WHERE i.inhparent = '{table}'::regclass AND c.relname = '{name}')"
+    )))
+    .persistent(false)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !attached {
+        return Ok(false);
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Bounds the default partition if upgrade 3 did not (a table migrated by hand),
+/// validates the bound, and drops the partition once it is empty: its name then.
+async fn retire_default(
+    conn: &mut PgConnection,
+    table: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    let name = format!("{table}_default");
+    let (present, valid) = {
+        let mut tx = conn.begin().await?;
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT to_regclass('{name}') IS NOT NULL AS present, \
+                    (SELECT k.convalidated FROM pg_constraint k \
+                     WHERE k.conrelid = to_regclass('{name}') \
+                       AND k.conname = '{table}_default_bound') AS valid"
+        )))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        (
+            row.try_get::<bool, _>("present")?,
+            row.try_get::<Option<bool>, _>("valid")?,
+        )
+    };
+    if !present {
+        return Ok(None);
+    }
+    if valid.is_none() {
+        // A table migrated by hand, without upgrade 3: what it would have done.
+        let mut tx = begin(conn, table).await?;
+        sqlx::raw_sql(AssertSqlSafe(UPGRADE_3.sql.replace(DEFAULT_TABLE, table)))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    if valid != Some(true) {
+        // A scan, under SHARE UPDATE EXCLUSIVE: claims and lookups go on.
+        let mut tx = begin(conn, table).await?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ALTER TABLE {name} VALIDATE CONSTRAINT {table}_default_bound"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+    }
+    // Empty: no key of it is left to replay. A first look blocks nothing; the
+    // second, under the lock that detaching takes anyway, makes sure no claim in
+    // flight has put a row there meanwhile. It reads a table with no live row.
+    let mut tx = begin(conn, table).await?;
+    let empty = format!("SELECT NOT EXISTS (SELECT 1 FROM {name})");
+    let looks_empty: bool = sqlx::query_scalar(AssertSqlSafe(empty.clone()))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !looks_empty {
+        return Ok(None);
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    let empty: bool = sqlx::query_scalar(AssertSqlSafe(empty))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !empty {
+        return Ok(None);
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
+    )))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Some(name))
+}
+
+/// Bounds the default partition of a table the first release created.
+pub(crate) const UPGRADE_3: Migration = Migration {
+    sql: include_str!("../../migrations/postgres/partitioned/0003_bounded_default.sql"),
+    applied: Applied::Rerun,
+};

@@ -1,0 +1,270 @@
+//! The partitioned layout's maintenance, as deployments run it: late, twice at
+//! once, on a table of the first release whose default partition holds keys.
+
+use std::time::Duration;
+
+use idem::{Idempotency, Outcome};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool, Postgres};
+
+use crate::app::{Req, router_on, send};
+use crate::harness::{Harness, PgParted};
+use crate::{BODY, start};
+
+const TABLE: &str = "late_keys";
+
+/// `{TABLE}_pYYYYMMDD` of today (UTC) plus `days`.
+async fn day(pool: &PgPool, days: i32) -> String {
+    sqlx::query_scalar(
+        "SELECT $1 || '_p' || to_char((now() AT TIME ZONE 'UTC')::date + $2, 'YYYYMMDD')",
+    )
+    .bind(TABLE)
+    .bind(days)
+    .fetch_one(pool)
+    .await
+    .expect("day name")
+}
+
+async fn partitions(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = $1::regclass ORDER BY 1",
+    )
+    .bind(TABLE)
+    .fetch_all(pool)
+    .await
+    .expect("partitions")
+}
+
+/// Rows the default partition's sequential scans have read so far, once the
+/// backends of `closed` (a pool just closed) have reported their statistics.
+async fn default_rows_scanned(direct: &PgPool, closed: &str) -> i64 {
+    for _ in 0..100 {
+        let gone: bool = sqlx::query_scalar(
+            "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = $1)",
+        )
+        .bind(closed)
+        .fetch_one(direct)
+        .await
+        .expect("activity");
+        if gone {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut conn = direct.acquire().await.expect("connection");
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *conn)
+        .await
+        .expect("fresh statistics");
+    sqlx::query_scalar(
+        "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = $1",
+    )
+    .bind(format!("{TABLE}_default"))
+    .fetch_one(&mut *conn)
+    .await
+    .expect("scan statistics")
+}
+
+/// A store on `TABLE` with a pool of its own, named so that its backends can be
+/// told apart.
+async fn own_store(h: &PgParted, name: &str) -> (PgPool, Idempotency<Postgres>) {
+    let options = h
+        .direct()
+        .connect_options()
+        .as_ref()
+        .clone()
+        .application_name(name);
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = Idempotency::builder(pool.clone())
+        .table(TABLE)
+        .partitioned_by_day()
+        .build()
+        .expect("store");
+    (pool, store)
+}
+
+/// The issue's case: a table of the first release maintained with `days_ahead`
+/// equal to the ttl in days, whose default partition caught the keys written
+/// between midnight and the daily run. Maintenance now succeeds, twice at once,
+/// leaves the days the default partition holds where they are, creates the days
+/// after them without scanning it, keeps every key answering, and retires the
+/// default partition once it has emptied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partition_maintenance_takes_over_a_late_default_partition() {
+    let Some(h) = start::<PgParted>().await else {
+        return;
+    };
+    let direct = h.direct().clone();
+    let first = include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql");
+    h.script(&first.replace("idempotency_keys", TABLE)).await;
+    let (today, tomorrow) = (day(&direct, 0).await, day(&direct, 1).await);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {today} PARTITION OF {TABLE} FOR VALUES \
+             FROM ((now() AT TIME ZONE 'UTC')::date) TO ((now() AT TIME ZONE 'UTC')::date + 1); \
+         CREATE TABLE {tomorrow} PARTITION OF {TABLE} FOR VALUES \
+             FROM ((now() AT TIME ZONE 'UTC')::date + 1) TO ((now() AT TIME ZONE 'UTC')::date + 2); \
+         INSERT INTO {TABLE} (scope, idempotency_key, state, lease, method, path, fingerprint, \
+             status, headers, body, locked_until, expires_at, created_at) \
+         SELECT 'old', 'k-' || g, 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
+             now(), (now() AT TIME ZONE 'UTC')::date::timestamp AT TIME ZONE 'UTC' \
+                 + interval '2 days' + g * interval '1 minute', now() \
+         FROM generate_series(1, 200) AS g"
+    )))
+    .execute(&direct)
+    .await
+    .expect("the first release's table, late");
+    let store = h.store_on(TABLE);
+    store.migrate().await.expect("upgrade");
+    let app = router_on::<PgParted>(store.clone());
+    let kept = send(
+        &app,
+        &Req::post("alice", "k-kept", BODY).header("x-ttl-ms", 172_800_000),
+    )
+    .await;
+    assert_eq!(kept.status, 201, "{}", kept.text());
+
+    // Maintenance with days_ahead = 5, twice at once, from two instances.
+    let other = h.store_on(TABLE);
+    let (a, b) = tokio::join!(store.maintain_partitions(5), other.maintain_partitions(5));
+    let (a, b) = (
+        a.expect("maintenance"),
+        b.expect("maintenance at the same time"),
+    );
+    let mut created = [a.created.clone(), b.created.clone()].concat();
+    created.sort();
+    let expected = [
+        day(&direct, 3).await,
+        day(&direct, 4).await,
+        day(&direct, 5).await,
+    ];
+    assert_eq!(
+        created, expected,
+        "the days after the default partition's, once each"
+    );
+    let now = partitions(&direct).await;
+    let held = day(&direct, 2).await;
+    assert!(
+        !now.contains(&held),
+        "{held}: still the default partition's day"
+    );
+    assert!(now.contains(&format!("{TABLE}_default")), "{now:?}");
+
+    // Every key still answers: the kept key replays from the default partition, a
+    // key of a day the default still takes lands there, a key of a day nobody
+    // created gets its partition from the claim itself.
+    let replay = send(
+        &app,
+        &Req::post("alice", "k-kept", BODY).header("x-ttl-ms", 172_800_000),
+    )
+    .await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+    let far = Req::post("alice", "k-far", BODY).header("x-ttl-ms", 9 * 86_400_000_u64);
+    let got = send(&app, &far).await;
+    assert_eq!(got.status, 201, "{}", got.text());
+    assert!(partitions(&direct).await.contains(&day(&direct, 9).await));
+    assert_eq!(send(&app, &far).await.outcome, Some(Outcome::Replayed));
+
+    // Attaching more days does not scan the default partition (its rows are
+    // never read), while an ordinary scan of it is seen by the same measure.
+    let before = default_rows_scanned(&direct, "none").await;
+    let (pool, maintainer) = own_store(&h, "idem-maintainer").await;
+    let more = maintainer
+        .maintain_partitions(7)
+        .await
+        .expect("maintenance");
+    assert_eq!(more.created, [day(&direct, 6).await, day(&direct, 7).await]);
+    pool.close().await;
+    let after = default_rows_scanned(&direct, "idem-maintainer").await;
+    let (pool, _) = own_store(&h, "idem-control").await;
+    let counted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {TABLE}_default"
+    )))
+    .fetch_one(&pool)
+    .await
+    .expect("control scan");
+    pool.close().await;
+    let control = default_rows_scanned(&direct, "idem-control").await;
+    assert!(
+        control >= after + counted,
+        "the measure sees a scan: {after} -> {control}"
+    );
+    assert!(
+        after - before < 10,
+        "maintenance read {} rows of the default partition",
+        after - before
+    );
+
+    // Once its keys have expired and been swept, the default partition goes, and
+    // its days get partitions of their own.
+    sqlx::raw_sql(AssertSqlSafe(format!("DELETE FROM {TABLE}_default")))
+        .execute(&direct)
+        .await
+        .expect("swept");
+    let last = store.maintain_partitions(5).await.expect("maintenance");
+    assert!(
+        last.dropped.contains(&format!("{TABLE}_default")),
+        "{last:?}"
+    );
+    assert!(last.created.contains(&day(&direct, 2).await), "{last:?}");
+    let replay = send(
+        &app,
+        &Req::post("alice", "k-far", BODY).header("x-ttl-ms", 9 * 86_400_000_u64),
+    )
+    .await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    h.finish().await;
+}
+
+/// Maintenance missed for days: the ended days go, today's and the next are
+/// created, and a claim whose day nobody created attaches it itself (the harness's
+/// table has no default partition left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_attach_the_day_maintenance_missed() {
+    let Some(h) = start::<PgParted>().await else {
+        return;
+    };
+    let app = crate::app::router(&h);
+    let direct = h.direct().clone();
+    let in_ten_days = Req::post("alice", "k-ten", BODY).header("x-ttl-ms", 10 * 86_400_000_u64);
+    let dups = (0..8).map(|_| {
+        let (app, req) = (app.clone(), in_ten_days.clone());
+        tokio::spawn(async move { send(&app, &req).await })
+    });
+    let mut created = 0;
+    for dup in dups {
+        let got = dup.await.expect("request");
+        match got.status {
+            201 => created += usize::from(got.outcome == Some(Outcome::Executed)),
+            409 => {}
+            other => panic!("{other}: {}", got.text()),
+        }
+    }
+    assert_eq!(created, 1, "one execution");
+    assert_eq!(h.effects("alice").await, 1);
+    let name: String = sqlx::query_scalar(
+        "SELECT 'idempotency_keys_p' || to_char((now() AT TIME ZONE 'UTC')::date + 10, 'YYYYMMDD')",
+    )
+    .fetch_one(&direct)
+    .await
+    .expect("name");
+    let attached: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'idempotency_keys'::regclass AND c.relname = $1)",
+    )
+    .bind(&name)
+    .fetch_one(&direct)
+    .await
+    .expect("attached");
+    assert!(attached, "{name}");
+    let again = h.store().maintain_partitions(3).await.expect("maintenance");
+    assert!(
+        again.created.is_empty() && again.dropped.is_empty(),
+        "{again:?}"
+    );
+    h.finish().await;
+}

@@ -133,7 +133,7 @@ impl<DB: Backend> IdempotentRequest<DB> {
         F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
     {
         let request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
-            .content_type(content_type(parts));
+            .with_content_type(content_type(parts));
         store
             .execute(request, options, handler)
             .await

@@ -112,8 +112,8 @@ pub fn fingerprint(body: &[u8]) -> [u8; 32] {
 /// assert_eq!(request.key().unwrap().scope(), Some("user-7"));
 ///
 /// // The same bytes sent as a form are another request.
-/// let json = request.clone().content_type("application/json");
-/// assert_eq!(json.content_type_value(), "application/json");
+/// let json = request.clone().with_content_type("application/json");
+/// assert_eq!(json.content_type(), "application/json");
 /// ```
 #[derive(Debug, Clone)]
 pub struct RequestIdentity {
@@ -150,13 +150,13 @@ impl RequestIdentity {
     /// Sets the body's `Content-Type` as the client sent it (none: empty). The same
     /// key with the same bytes under another content type is a payload mismatch.
     #[must_use]
-    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+    pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = content_type.into();
         self
     }
 
-    /// See [`content_type`](Self::content_type).
-    pub fn content_type_value(&self) -> &str {
+    /// The body's `Content-Type`, empty when the request had none.
+    pub fn content_type(&self) -> &str {
         &self.content_type
     }
 

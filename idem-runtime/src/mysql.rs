@@ -108,12 +108,12 @@ impl Store for MySql {
             )
             .into(),
             lock: format!("SELECT GET_LOCK({LOCK_NAME}, 0)").into(),
-            // The session's own values, saved by `begin_claim`; the server's when a
-            // claim failed before saving them.
+            // The session's own values, saved by the claim's `BEGIN` statement; left
+            // as they are when a claim failed before changing them.
             finish: format!(
-                "SET SESSION wait_timeout = COALESCE(@idem_wait_timeout, @@GLOBAL.wait_timeout), \
+                "SET SESSION wait_timeout = COALESCE(@idem_wait_timeout, @@SESSION.wait_timeout), \
                      innodb_lock_wait_timeout = \
-                        COALESCE(@idem_lock_wait_timeout, @@GLOBAL.innodb_lock_wait_timeout), \
+                        COALESCE(@idem_lock_wait_timeout, @@SESSION.innodb_lock_wait_timeout), \
                      @idem_wait_timeout = NULL, @idem_lock_wait_timeout = NULL, \
                      @idem_released = RELEASE_LOCK({LOCK_NAME})"
             )

@@ -148,7 +148,7 @@ async fn begin<'c>(
     conn: &'c mut PgConnection,
     table: &str,
 ) -> Result<sqlx::Transaction<'c, sqlx::Postgres>, sqlx::Error> {
-    let mut tx = conn.begin().await?;
+    let mut tx = read_committed(conn).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "SET LOCAL lock_timeout = '2s'; \
          SELECT pg_advisory_xact_lock(hashint8extended(7306086953163416934, '{table}'::regclass::oid::int8))"
@@ -156,6 +156,16 @@ async fn begin<'c>(
     .execute(&mut *tx)
     .await?;
     Ok(tx)
+}
+
+/// A transaction at READ COMMITTED, whatever the default: a statement that checks
+/// the catalog after taking a lock must see what the lock's last holder committed,
+/// and at REPEATABLE READ the snapshot would predate the lock.
+pub(crate) async fn read_committed(
+    conn: &mut PgConnection,
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, sqlx::Error> {
+    conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
 }
 
 /// Attaches the partition of one day unless it exists or the default partition
@@ -229,7 +239,7 @@ pub(crate) async fn attach_day(
 
 /// Day partitions whose day (UTC) has ended.
 async fn ended_days(conn: &mut PgConnection, table: &str) -> Result<Vec<String>, sqlx::Error> {
-    let mut tx = conn.begin().await?;
+    let mut tx = read_committed(conn).await?;
     let names = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = '{table}'::regclass AND c.relname ~ '^{table}_p[0-9]{{8}}$' \
@@ -256,13 +266,22 @@ async fn drop_day(conn: &mut PgConnection, table: &str, name: &str) -> Result<bo
     if !attached {
         return Ok(false);
     }
+    detach_and_drop(tx, table, name).await?;
+    Ok(true)
+}
+
+/// Detaches and drops partition `name`, and commits.
+async fn detach_and_drop(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    table: &str,
+    name: &str,
+) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
     )))
     .execute(&mut *tx)
     .await?;
-    tx.commit().await?;
-    Ok(true)
+    tx.commit().await
 }
 
 /// Bounds the default partition if upgrade 3 did not (a table migrated by hand),
@@ -273,7 +292,7 @@ async fn retire_default(
 ) -> Result<Option<String>, sqlx::Error> {
     let name = format!("{table}_default");
     let (present, valid) = {
-        let mut tx = conn.begin().await?;
+        let mut tx = read_committed(conn).await?;
         let row = sqlx::query(AssertSqlSafe(format!(
             "SELECT to_regclass('{name}') IS NOT NULL AS present, \
                     (SELECT k.convalidated FROM pg_constraint k \
@@ -334,12 +353,7 @@ async fn retire_default(
     if !empty {
         return Ok(None);
     }
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "ALTER TABLE {table} DETACH PARTITION {name}; DROP TABLE {name}"
-    )))
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    detach_and_drop(tx, table, &name).await?;
     Ok(Some(name))
 }
 

@@ -17,7 +17,7 @@ use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim,
     sealed::Store,
 };
-use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day};
+use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day, read_committed};
 use crate::signal::signal_of;
 
 /// Taken with every claim: the advisory try-lock on `seed` (never waits), and the
@@ -209,7 +209,9 @@ impl Store for Postgres {
         table: &str,
         scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {
-        let mut tx = conn.begin().await?;
+        // READ COMMITTED: the checks below must see what an instance that held the
+        // lock before committed.
+        let mut tx = read_committed(conn).await?;
         // Serialises instances that start together: concurrent CREATE TABLE IF NOT
         // EXISTS can still collide in the catalog. Simple protocol: nothing is
         // prepared, so a transaction pooler is fine.
@@ -258,7 +260,7 @@ impl Store for Postgres {
         }
         // Through a transaction pooler an unprepared statement must not stand
         // alone; the rollback goes out with the connection's next use.
-        let mut tx = conn.begin().await?;
+        let mut tx = read_committed(conn).await?;
         Found::load::<Postgres>(&mut tx, &sql.lookup, id, false).await
     }
 
@@ -427,7 +429,7 @@ impl Store for Postgres {
         if sql.prepared {
             return query.fetch_optional(conn).await;
         }
-        let mut tx = conn.begin().await?;
+        let mut tx = read_committed(conn).await?;
         query.fetch_optional(&mut *tx).await
     }
 
@@ -453,9 +455,7 @@ impl Store for Postgres {
     ) -> Result<u64, sqlx::Error> {
         // READ COMMITTED whatever the default: at SERIALIZABLE a sweep would take
         // part in conflict tracking, fail, and fail the claims it overlapped.
-        let mut tx = conn
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-            .await?;
+        let mut tx = read_committed(conn).await?;
         let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
             .persistent(sql.prepared)
             .bind(limit)
@@ -498,8 +498,7 @@ async fn begin<'c>(
     sql: &Sql,
 ) -> Result<Transaction<'c, Postgres>, sqlx::Error> {
     if sql.lock.is_some() {
-        conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-            .await
+        read_committed(conn).await
     } else {
         conn.begin().await
     }

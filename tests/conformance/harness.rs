@@ -115,6 +115,43 @@ pub trait Harness: Send + Sync + Sized + 'static {
     fn finish(self) -> impl Future<Output = ()> + Send;
 }
 
+/// The harness's `exec`, `count` and `script` for one backend: `$conn` its
+/// connection type, `$pool` the field reads go through, `$sql` what makes a
+/// statement written with `$1`, `$2`, ... the backend's own.
+macro_rules! dynamic_sql {
+    ($conn:ty, $pool:ident, $sql:path) => {
+        fn exec<'a>(
+            conn: &'a mut $conn,
+            sql: &'a str,
+            args: &'a [&'a str],
+        ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+            Box::pin(async move {
+                // Unprepared, as statements must be through a transaction pooler.
+                let mut query = sqlx::query(sqlx::AssertSqlSafe($sql(sql))).persistent(false);
+                for arg in args {
+                    query = query.bind(*arg);
+                }
+                Ok(query.execute(conn).await?.rows_affected())
+            })
+        }
+
+        async fn count(&self, sql: &str, args: &[&str]) -> i64 {
+            let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe($sql(sql)));
+            for arg in args {
+                query = query.bind(*arg);
+            }
+            query.fetch_one(&self.$pool).await.expect("count")
+        }
+
+        async fn script(&self, sql: &str) {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+                .execute(&self.$pool)
+                .await
+                .expect("script");
+        }
+    };
+}
+
 fn unique(prefix: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let nanos = SystemTime::now()
@@ -389,34 +426,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             .expect("count effects")
     }
 
-    fn exec<'a>(
-        conn: &'a mut sqlx::PgConnection,
-        sql: &'a str,
-        args: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).persistent(false);
-            for arg in args {
-                query = query.bind(*arg);
-            }
-            Ok(query.execute(conn).await?.rows_affected())
-        })
-    }
-
-    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
-        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()));
-        for arg in args {
-            query = query.bind(*arg);
-        }
-        query.fetch_one(&self.direct).await.expect("count")
-    }
-
-    async fn script(&self, sql: &str) {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(&self.direct)
-            .await
-            .expect("script");
-    }
+    dynamic_sql!(sqlx::PgConnection, direct, str::to_owned);
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(
@@ -624,34 +634,7 @@ impl Harness for Lite {
             .expect("count effects")
     }
 
-    fn exec<'a>(
-        conn: &'a mut sqlx::SqliteConnection,
-        sql: &'a str,
-        args: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
-            for arg in args {
-                query = query.bind(*arg);
-            }
-            Ok(query.execute(conn).await?.rows_affected())
-        })
-    }
-
-    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
-        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()));
-        for arg in args {
-            query = query.bind(*arg);
-        }
-        query.fetch_one(&self.pool).await.expect("count")
-    }
-
-    async fn script(&self, sql: &str) {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(&self.pool)
-            .await
-            .expect("script");
-    }
+    dynamic_sql!(sqlx::SqliteConnection, pool, str::to_owned);
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(
@@ -905,34 +888,7 @@ impl Harness for My {
             .expect("count effects")
     }
 
-    fn exec<'a>(
-        conn: &'a mut sqlx::MySqlConnection,
-        sql: &'a str,
-        args: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(question_marks(sql)));
-            for arg in args {
-                query = query.bind(*arg);
-            }
-            Ok(query.execute(conn).await?.rows_affected())
-        })
-    }
-
-    async fn count(&self, sql: &str, args: &[&str]) -> i64 {
-        let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(question_marks(sql)));
-        for arg in args {
-            query = query.bind(*arg);
-        }
-        query.fetch_one(&self.pool).await.expect("count")
-    }
-
-    async fn script(&self, sql: &str) {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(&self.pool)
-            .await
-            .expect("script");
-    }
+    dynamic_sql!(sqlx::MySqlConnection, pool, question_marks);
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(

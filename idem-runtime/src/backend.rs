@@ -238,6 +238,8 @@ pub struct Recorded<'a> {
     pub status: i32,
     pub headers: &'a [u8],
     pub body: &'a [u8],
+    /// The endpoint's ttl, for a backend that must write the record anew.
+    pub ttl_ms: i64,
 }
 
 pub mod sealed {

@@ -559,6 +559,7 @@ impl<DB: Backend> Idempotency<DB> {
                     status: i32::from(response.status().as_u16()),
                     headers: &headers,
                     body: response.body(),
+                    ttl_ms: options.ttl_millis(),
                 };
                 let announce = waits.then_some(signal);
                 match DB::idem_record(&mut tx, sql, id, lease, recorded, announce).await {

@@ -24,6 +24,8 @@ pub struct Sql {
     claim_new: Arc<str>,
     claim_over: Arc<str>,
     record: Arc<str>,
+    /// The record written on its own, when the server ended the transaction.
+    record_alone: Arc<str>,
     lock_left: Arc<str>,
     /// The named lock alone, taken before a takeover touches the row.
     lock: Arc<str>,
@@ -105,6 +107,29 @@ impl Store for MySql {
                 "DELETE FROM {table} \
                  WHERE state = 'completed' AND expires_at <= UTC_TIMESTAMP(6) \
                  ORDER BY expires_at LIMIT ?"
+            )
+            .into(),
+            // Only while this session holds the key's named lock, so nobody else can
+            // have claimed it, and only if no row of this claim survives (a lost
+            // lease leaves its row) nor anyone else's live one.
+            record_alone: format!(
+                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                        fingerprint, content_type, status, headers, body, locked_until, \
+                        expires_at, created_at) \
+                 SELECT ?, ?, 'completed', ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6), \
+                        UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, UTC_TIMESTAMP(6) \
+                 FROM DUAL \
+                 WHERE IS_USED_LOCK({LOCK_NAME}) = CONNECTION_ID() \
+                   AND NOT EXISTS (SELECT 1 FROM {table} k \
+                        WHERE k.scope = ? AND k.idempotency_key = ? \
+                          AND (k.lease = ? OR (k.expires_at > UTC_TIMESTAMP(6) \
+                               AND (k.state = 'completed' OR k.locked_until > UTC_TIMESTAMP(6))))) \
+                 ON DUPLICATE KEY UPDATE state = 'completed', lease = VALUES(lease), \
+                        method = VALUES(method), path = VALUES(path), \
+                        fingerprint = VALUES(fingerprint), content_type = VALUES(content_type), \
+                        status = VALUES(status), headers = VALUES(headers), body = VALUES(body), \
+                        locked_until = VALUES(locked_until), expires_at = VALUES(expires_at), \
+                        created_at = VALUES(created_at)"
             )
             .into(),
             lock: format!("SELECT GET_LOCK({LOCK_NAME}, 0)").into(),
@@ -222,9 +247,41 @@ impl Store for MySql {
             .bind(id.scope)
             .bind(id.key)
             .bind(lease)
+            .execute(&mut *conn)
+            .await?;
+        if done.rows_affected() == 1 {
+            return Ok(true);
+        }
+        // A deadlock rolls the whole transaction back, claim included, and what the
+        // handler ran after it committed statement by statement. If that is what
+        // happened (this session still holds the named lock, and no row of this
+        // claim is left), the handler's answer is recorded on its own, so a retry
+        // replays it instead of running the handler, and its writes, again.
+        let alone = sqlx::query(AssertSqlSafe(sql.record_alone.clone()))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .bind(id.method)
+            .bind(id.path)
+            .bind(&id.fingerprint[..])
+            .bind(id.content_type)
+            .bind(status)
+            .bind(response.headers)
+            .bind(response.body)
+            .bind(response.ttl_ms)
+            .bind(lock_seed(id))
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
             .execute(conn)
             .await?;
-        Ok(done.rows_affected() == 1)
+        let recorded = alone.rows_affected() > 0;
+        if recorded {
+            tracing::warn!(
+                "the database ended the handler's transaction (a deadlock?); its answer was recorded on its own"
+            );
+        }
+        Ok(recorded)
     }
 
     async fn idem_lock_left(

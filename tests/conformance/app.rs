@@ -39,13 +39,20 @@ pub fn open_gate(gate: &str) {
     }
 }
 
+/// Returns once `gate` is open.
+pub async fn wait_for_gate(gate: &str) {
+    while !gate_is_open(gate) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn gate_is_open(gate: &str) -> bool {
     OPEN.lock()
         .map(|set| set.as_ref().is_some_and(|set| set.contains(gate)))
         .unwrap_or(true)
 }
 
-fn mark_started(key: String) {
+pub fn mark_started(key: String) {
     if let Ok(mut set) = STARTED.lock() {
         set.get_or_insert_with(HashSet::new).insert(key);
     }
@@ -328,7 +335,8 @@ pub fn is_serialization_failure(status: u16, body: &[u8]) -> bool {
         && (text.contains("could not serialize") || text.contains("serialization failure"))
 }
 
-async fn send_once(app: &Router, req: &Req) -> Got {
+/// Sends `req` once, whatever the answer.
+pub async fn send_once(app: &Router, req: &Req) -> Got {
     let response = app
         .clone()
         .oneshot(req.build())

@@ -10,6 +10,7 @@
 
 mod app;
 mod bank;
+mod deadlock;
 mod edges;
 mod harness;
 mod partitions;

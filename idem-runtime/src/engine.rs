@@ -1,4 +1,4 @@
-//! The claim → execute → record state machine (SPEC §4).
+//! The claim → execute → record state machine (`docs/contract.md` §4).
 
 use std::error::Error as StdError;
 use std::fmt;

@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` request header (SPEC §2) and key relay (SPEC §5).
+//! The `Idempotency-Key` request header (`docs/contract.md` §2) and key relay (§5).
 
 use std::fmt;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! What scopes keys: the tenant or user a key belongs to (SPEC §2).
+//! What scopes keys: the tenant or user a key belongs to (`docs/contract.md` §2).
 
 use std::borrow::Cow;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Retention (SPEC §6): deleting expired keys in small batches.
+//! Retention (`docs/contract.md` §6): deleting expired keys in small batches.
 
 use std::time::{Duration, Instant};
 

@@ -13,7 +13,7 @@ use crate::app::{self, Req, router, router_on, send};
 use crate::harness::{Harness, My};
 use crate::{BODY, assert_in_flight, start, unique_suffix};
 
-/// SPEC §2: the body's Content-Type belongs to the identity: the same bytes sent
+/// Contract §2: the body's Content-Type belongs to the identity: the same bytes sent
 /// as JSON and as a form are two requests.
 pub async fn content_type_is_part_of_the_identity<H: Harness>() {
     let Some(h) = start::<H>().await else { return };

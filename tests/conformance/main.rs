@@ -1,5 +1,6 @@
-//! The conformance suite: SPEC §2–§5 and the invariants I1–I4, written once and run
-//! on every backend against a real database (one private schema or file per test).
+//! The conformance suite: the contract of `docs/contract.md` (§2–§6, cited below as
+//! §N) and its invariants I1–I4, written once and run on every backend against a
+//! real database (one private schema or file per test).
 //!
 //! PostgreSQL is found at `IDEM_TEST_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/postgres`), MySQL/MariaDB at
@@ -987,7 +988,7 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
     h.finish().await;
 }
 
-/// SPEC §6, I1 on the partitioned layout: the primary key includes `expires_at`,
+/// Contract §6, I1 on the partitioned layout: the primary key includes `expires_at`,
 /// so duplicates whose expiries fall on different days would land in different
 /// partitions. Rounds of concurrent duplicates, half with a one-hour and half with
 /// a 49-hour ttl, must still execute each key once and keep one row per key.
@@ -1053,7 +1054,7 @@ async fn partitioned_claims_race_across_day_boundaries() {
     h.finish().await;
 }
 
-/// SPEC §6: maintenance drops every day partition whose day has ended, with its
+/// Contract §6: maintenance drops every day partition whose day has ended, with its
 /// keys, creates the days ahead, and leaves live keys alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partition_maintenance_drops_ended_days() {

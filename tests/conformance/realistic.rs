@@ -87,7 +87,7 @@ async fn transfers<H: Harness>(h: &H, account: &str) -> i64 {
     .await
 }
 
-/// SPEC §2: the identity is the path and query the client sent. One key sent to
+/// Contract §2: the identity is the path and query the client sent. One key sent to
 /// routes that differ only in a path parameter, a version prefix, a service mounted
 /// with `nest_service`, or behind a middleware that rewrites the URI the handler
 /// sees, is a payload mismatch there, never a replay of another account's answer.
@@ -151,7 +151,7 @@ pub async fn nested_routes_keep_their_identity<H: Harness>() {
     h.finish().await;
 }
 
-/// SPEC §4.3–4.4: a handler that catches a database error (a unique violation) and
+/// Contract §4.3–4.4: a handler that catches a database error (a unique violation) and
 /// answers its own 409 has that answer recorded and replayed on every backend,
 /// concurrent duplicates included; what it wrote follows the database's own rules
 /// (PostgreSQL voids an aborted transaction's writes, the others only the failed

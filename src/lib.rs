@@ -8,18 +8,7 @@
 //! a second time, and a crashed or hung executor is taken over without ever
 //! committing late.
 //!
-//! | situation | answer |
-//! | --- | --- |
-//! | no key, endpoint not `required` | the handler runs, nothing is stored |
-//! | no key, endpoint `required` | 400 `missing-key` |
-//! | malformed or repeated key | 400 `invalid-key` |
-//! | first request for (scope, key) | the handler runs; its response is recorded with its writes |
-//! | same key and request, completed | the stored response, plus `Idempotent-Replayed: true` |
-//! | same key and request, in flight | 409 `in-flight`, `Retry-After` = what is left of the holder's `lock`; with `wait`, first waits for it and replays |
-//! | same key, another method, path and query, content type or body | 422 `payload-mismatch` |
-//! | body over axum's `DefaultBodyLimit`, or slower than the store's `body_timeout` (30 s) | 413 `payload-too-large`, 408 `request-timeout`; nothing claimed |
-//! | handler answers ≥ 500, panics, or outlives its `lock` | rolled back, key released: a retry runs it again |
-//! | key older than its `ttl` | treated as never seen |
+#![doc = include_str!("../docs/outcomes.md")]
 //!
 //! Every answer idem gives itself is an RFC 9457 `application/problem+json` body
 //! whose `type` ends with the slug above (see [`Problem`]).

@@ -1,0 +1,66 @@
+//! The documents that must not drift apart.
+
+#![allow(missing_docs)]
+
+use std::path::Path;
+
+fn read(path: &str) -> String {
+    let full = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
+}
+
+/// The outcome table has one source, `docs/outcomes.md`, which the crate docs
+/// include; the README shows it too, and must show it as it is.
+#[test]
+fn readme_shows_the_outcome_table_of_the_crate_docs() {
+    let table = read("docs/outcomes.md");
+    let readme = read("README.md");
+    assert!(
+        readme.contains(table.trim_end()),
+        "README.md's outcome table differs from docs/outcomes.md: copy the latter"
+    );
+}
+
+/// Every `docs/*.md` a source comment or document names exists.
+#[test]
+fn cited_documents_exist() {
+    let mut cited = Vec::new();
+    for file in [
+        "README.md",
+        "src/lib.rs",
+        "docs/contract.md",
+        "docs/deployment.md",
+        "docs/backends.md",
+        "idem-runtime/src/engine.rs",
+        "idem-runtime/src/key.rs",
+        "idem-runtime/src/store.rs",
+        "idem-runtime/src/scope.rs",
+        "idem-runtime/src/sweep.rs",
+        "tests/conformance/main.rs",
+    ] {
+        let text = read(file);
+        for (at, _) in text.match_indices("docs/") {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '.' | '_' | '-'))
+                .collect();
+            if let Some(doc) = name
+                .strip_suffix('.')
+                .or(Some(&name))
+                .filter(|n| n.ends_with(".md"))
+            {
+                cited.push((file, doc.to_owned()));
+            }
+        }
+    }
+    assert!(
+        cited.len() > 5,
+        "found too few citations to be checking anything: {cited:?}"
+    );
+    for (file, doc) in cited {
+        assert!(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(&doc).is_file(),
+            "{file} cites {doc}, which does not exist"
+        );
+    }
+}

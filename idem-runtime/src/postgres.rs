@@ -1,7 +1,7 @@
 //! PostgreSQL: the claim lives inside the handler's own transaction.
 //!
-//! The design and its measured cost are described in `docs/backends.md` (rendered
-//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs.
+//! The design and its measured cost are described in `docs/backends.md`; the SQL
+//! below is all this backend runs.
 
 use std::pin::pin;
 use std::sync::Arc;

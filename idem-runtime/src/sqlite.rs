@@ -1,7 +1,7 @@
 //! SQLite: a committed claim with a lease, then the handler's own transaction.
 //!
-//! The design and its measured cost are described in `docs/backends.md` (rendered
-//! on [`Backend`](crate::Backend)); the SQL below is all this backend runs.
+//! The design and its measured cost are described in `docs/backends.md`; the SQL
+//! below is all this backend runs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

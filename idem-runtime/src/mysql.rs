@@ -2,8 +2,7 @@
 //! a named lock.
 //!
 //! The design, what differs from PostgreSQL and why, are described in
-//! `docs/backends.md`; the SQL below is
-//! all this backend runs.
+//! `docs/backends.md`; the SQL below is all this backend runs.
 
 use std::sync::Arc;
 

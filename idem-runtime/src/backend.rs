@@ -83,8 +83,8 @@ pub struct Found {
 
 impl Found {
     /// Decodes a lookup row. Every backend's lookup selects the same shape: `state`,
-    /// `method`, `path`, `content_type` (nullable) as text; `fingerprint`, `headers`, `body` as bytes; `status`,
-    /// `live`, `fresh` as 64-bit integers.
+    /// `method`, `path`, `content_type` (nullable) as text; `fingerprint`,
+    /// `headers`, `body` as bytes; `status`, `live`, `fresh` as 64-bit integers.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
     where

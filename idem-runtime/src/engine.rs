@@ -488,6 +488,8 @@ impl<DB: Backend> Idempotency<DB> {
             .seen
             .as_ref()
             .is_some_and(|seen| seen.check_in(signal));
+        // A failed claim's cause may be repaired once (`Step::Again`).
+        let repair = may_repair.then_some(claim.ttl_ms);
         let (mut tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
             Ok(Opened::Claimed(tx)) => (tx, false),
             // `other` takes the whole result, so `conn` is free again below.
@@ -505,7 +507,6 @@ impl<DB: Backend> Idempotency<DB> {
                         Ok(Some(tx)) => (tx, takeover),
                         other => {
                             let error = other.err();
-                            let repair = may_repair.then_some(claim.ttl_ms);
                             return self
                                 .claim_lost(&mut conn, id, lease, error, handler, repair)
                                 .await;
@@ -519,14 +520,7 @@ impl<DB: Backend> Idempotency<DB> {
                 }
                 Err(error) => {
                     return self
-                        .claim_lost(
-                            &mut conn,
-                            id,
-                            lease,
-                            Some(error),
-                            handler,
-                            may_repair.then_some(claim.ttl_ms),
-                        )
+                        .claim_lost(&mut conn, id, lease, Some(error), handler, repair)
                         .await;
                 }
             },

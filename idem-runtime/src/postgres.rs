@@ -67,7 +67,8 @@ const UPGRADE_2: Migration = Migration {
 /// The savepoint the handler runs after: a handler that catches a database error
 /// leaves PostgreSQL's transaction aborted, and rolling back to here keeps the
 /// claim, so the handler's own answer can still be recorded.
-const HANDLER_SAVEPOINT: &str = "idem_handler";
+const HANDLER_SAVEPOINT: &str = "SAVEPOINT idem_handler";
+const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 
 #[doc(hidden)]
 #[derive(Debug)]
@@ -406,8 +407,7 @@ impl Store for Postgres {
             // wrote is void, as PostgreSQL voids an aborted transaction's writes;
             // its claim, taken before the savepoint, still stands.
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
-                let back = format!("ROLLBACK TO SAVEPOINT {HANDLER_SAVEPOINT}");
-                sqlx::raw_sql(AssertSqlSafe(back))
+                sqlx::raw_sql(BACK_TO_HANDLER_SAVEPOINT)
                     .execute(&mut *conn)
                     .await?;
                 record(conn, sql, id, lease, &response, announce).await
@@ -506,9 +506,7 @@ async fn begin<'c>(
 
 /// Sets the handler's savepoint, once the claim is taken.
 async fn protect(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(AssertSqlSafe(format!("SAVEPOINT {HANDLER_SAVEPOINT}")))
-        .execute(tx)
-        .await?;
+    sqlx::raw_sql(HANDLER_SAVEPOINT).execute(tx).await?;
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 //! that are not part of the request's identity.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -287,6 +288,23 @@ pub struct Got {
 }
 
 impl Got {
+    /// Reads a whole response.
+    pub async fn read(response: Response) -> Self {
+        let outcome = response.extensions().get::<Outcome>().copied();
+        let (parts, body) = response.into_parts();
+        Self {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body: body.collect().await.expect("body").to_bytes(),
+            outcome,
+        }
+    }
+
+    /// Whether the answer is a replay of a recorded one.
+    pub fn replayed(&self) -> bool {
+        self.headers.contains_key("idempotent-replayed")
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
@@ -309,12 +327,18 @@ impl Got {
 }
 
 /// Sends `req` once; on a run whose database defaults to SERIALIZABLE, again after
-/// a serialization failure (the handler's 500 or idem's 503, nothing committed),
-/// as a client of such a database must.
+/// a serialization failure (see [`retrying_serialization`]).
 pub async fn send(app: &Router, req: &Req) -> Got {
+    retrying_serialization(|| send_once(app, req)).await
+}
+
+/// Runs `once` until its answer is not a serialization failure (the handler's 500
+/// or idem's 503, nothing committed) on a run whose database defaults to
+/// SERIALIZABLE, as a client of such a database must; elsewhere, once.
+pub async fn retrying_serialization<F: Future<Output = Got>>(mut once: impl FnMut() -> F) -> Got {
     let mut tries = 0;
     loop {
-        let got = send_once(app, req).await;
+        let got = once().await;
         tries += 1;
         if !(serializable_run() && is_serialization_failure(got.status, &got.body)) || tries > 50 {
             return got;
@@ -342,13 +366,5 @@ pub async fn send_once(app: &Router, req: &Req) -> Got {
         .oneshot(req.build())
         .await
         .expect("router is infallible");
-    let outcome = response.extensions().get::<Outcome>().copied();
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("body").to_bytes();
-    Got {
-        status: parts.status.as_u16(),
-        headers: parts.headers,
-        body,
-        outcome,
-    }
+    Got::read(response).await
 }

@@ -262,13 +262,6 @@ fn expected_pg_isolation() -> Option<String> {
 pub type Pg = PgLayout<false>;
 pub type PgParted = PgLayout<true>;
 
-impl<const PARTITIONED: bool> PgLayout<PARTITIONED> {
-    /// A pool straight to the test's database, even on a pooler run.
-    pub fn direct(&self) -> &PgPool {
-        &self.direct
-    }
-}
-
 impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     type DB = Postgres;
 

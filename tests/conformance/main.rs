@@ -1062,7 +1062,7 @@ async fn partition_maintenance_drops_ended_days() {
         return;
     };
     let app = router(&h);
-    let pool = h.direct().clone();
+    let pool = h.direct_pool().clone();
     let old: String =
         sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 3, 'YYYYMMDD')")
             .fetch_one(&pool)

@@ -70,7 +70,7 @@ async fn default_rows_scanned(direct: &PgPool, closed: &str) -> i64 {
 /// told apart.
 async fn own_store(h: &PgParted, name: &str) -> (PgPool, Idempotency<Postgres>) {
     let options = h
-        .direct()
+        .direct_pool()
         .connect_options()
         .as_ref()
         .clone()
@@ -99,7 +99,7 @@ async fn partition_maintenance_takes_over_a_late_default_partition() {
     let Some(h) = start::<PgParted>().await else {
         return;
     };
-    let direct = h.direct().clone();
+    let direct = h.direct_pool().clone();
     let first = include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql");
     h.script(&first.replace("idempotency_keys", TABLE)).await;
     let (today, tomorrow) = (day(&direct, 0).await, day(&direct, 1).await);
@@ -234,7 +234,7 @@ async fn claims_attach_the_day_maintenance_missed() {
         return;
     };
     let app = crate::app::router(&h);
-    let direct = h.direct().clone();
+    let direct = h.direct_pool().clone();
     let in_ten_days = Req::post("alice", "k-ten", BODY).header("x-ttl-ms", 10 * 86_400_000_u64);
     let dups = (0..8).map(|_| {
         let (app, req) = (app.clone(), in_ten_days.clone());

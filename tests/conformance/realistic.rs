@@ -4,71 +4,32 @@
 
 use std::collections::HashMap;
 
-use axum::http::{HeaderMap, Request};
+use axum::http::Request;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use idem::Outcome;
 use tower::ServiceExt as _;
 
-use crate::app::{is_serialization_failure, serializable_run};
+use crate::app::{Got, retrying_serialization};
 use crate::bank::{self, Service};
 use crate::harness::Harness;
 use crate::start;
 
-/// A response of the bank app, as the client saw it.
-#[derive(Clone, Debug)]
-pub struct Answer {
-    pub status: u16,
-    pub headers: HeaderMap,
-    pub body: Bytes,
-    pub outcome: Option<Outcome>,
-}
-
-impl Answer {
-    fn problem(&self) -> Option<String> {
-        let text = String::from_utf8_lossy(&self.body);
-        let start = text.find("urn:idem:problem:")? + "urn:idem:problem:".len();
-        let end = text[start..].find('"')? + start;
-        Some(text[start..end].to_owned())
-    }
-
-    fn replayed(&self) -> bool {
-        self.headers.get("idempotent-replayed").is_some()
-    }
-}
-
-/// Sends a request; on a SERIALIZABLE run, again after a serialization failure
-/// (see `app::send`).
-async fn call(app: &Service, request: Request<axum::body::Body>) -> Answer {
+/// Sends a request; on a SERIALIZABLE run, again after a serialization failure.
+async fn call(app: &Service, request: Request<axum::body::Body>) -> Got {
     let (parts, body) = request.into_parts();
     let body = body.collect().await.expect("request body").to_bytes();
-    let mut tries = 0;
-    loop {
+    retrying_serialization(|| {
         let attempt = Request::from_parts(parts.clone(), axum::body::Body::from(body.clone()));
-        let answer = call_once(app, attempt).await;
-        tries += 1;
-        if !(serializable_run() && is_serialization_failure(answer.status, &answer.body))
-            || tries > 50
-        {
-            return answer;
+        async move {
+            let response = app.clone().oneshot(attempt).await.expect("infallible");
+            Got::read(response).await
         }
-        tokio::time::sleep(std::time::Duration::from_millis(5 * tries)).await;
-    }
+    })
+    .await
 }
 
-async fn call_once(app: &Service, request: Request<axum::body::Body>) -> Answer {
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let outcome = response.extensions().get::<Outcome>().copied();
-    let (parts, body) = response.into_parts();
-    Answer {
-        status: parts.status.as_u16(),
-        headers: parts.headers,
-        body: body.collect().await.expect("body").to_bytes(),
-        outcome,
-    }
-}
-
-async fn pay(app: &Service, path: &str, user: &str, key: &str) -> Answer {
+async fn pay(app: &Service, path: &str, user: &str, key: &str) -> Got {
     call(app, bank::request(path, user, key, r#"{"amount":100}"#)).await
 }
 

@@ -510,16 +510,13 @@ async fn protect(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-/// A claim that failed because another executor took or changed the key since this
-/// statement's snapshot: a unique violation, or, at REPEATABLE READ and
-/// SERIALIZABLE, a serialization failure.
+/// A claim that failed because another executor took the key since this
+/// statement's snapshot: a unique violation. Not a serialization failure: at
+/// SERIALIZABLE one also comes from a conflict with another key (predicate locks
+/// are taken per index page), and answering 409 `in-flight` for a key nobody holds
+/// would be false; it is answered 503, "nothing was committed, retry".
 fn lost_race(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(error) => {
-            error.is_unique_violation() || error.code().as_deref() == Some("40001")
-        }
-        _ => false,
-    }
+    matches!(error, sqlx::Error::Database(error) if error.is_unique_violation())
 }
 
 /// The recording statement; `true` when it completed this executor's claim.

@@ -94,7 +94,7 @@ impl axum::extract::FromRef<App> for Idempotency<Postgres> {
     }
 }
 
-#[idempotent(required = true)]
+#[idempotent(unscoped = true, required = true)]
 async fn idem(
     key: idem::IdempotencyKey,
     mut tx: Tx<Postgres>,

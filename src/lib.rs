@@ -161,7 +161,8 @@
 ///
 /// | option | value | default |
 /// | --- | --- | --- |
-/// | `scope` | the name of a parameter whose value scopes keys, e.g. the authenticated user; its type implements [`Scope`] | none: one scope for everyone |
+/// | `scope` | the name of a parameter whose value scopes keys, e.g. the authenticated user; its type implements [`Scope`] | required, unless `unscoped = true` |
+/// | `unscoped` | `true`: one key space shared by every client, for endpoints with no caller to tell apart (webhooks) | `false` |
 /// | `ttl` | how long a key is remembered: `"500ms"`, `"30s"`, `"15m"`, `"24h"`, `"3d"` | `"24h"` |
 /// | `lock` | the longest one execution may hold the key; shorter than `ttl` | `"30s"` |
 /// | `wait` | how long a duplicate waits for an in-flight first request, then replays its response (holding no connection meanwhile); 409 at the bound | none: 409 at once |
@@ -169,8 +170,12 @@
 /// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
 ///
-/// Without `scope` every client shares one key space: two clients that send the
-/// same key get each other's response. Use it on any endpoint that knows who calls.
+/// Every handler says whose keys it keeps apart: `scope` names the parameter that
+/// identifies the caller, so the same key from two users is two requests. Leaving it
+/// out is a compile error, because one shared key space lets anyone who guesses a
+/// key (`order-1`) read the response recorded for another client. An endpoint that
+/// truly has no caller to tell apart, such as a provider's webhook whose keys are
+/// the provider's event ids, writes `unscoped = true`.
 ///
 /// # Parameters
 ///
@@ -200,9 +205,10 @@
 ///
 /// Misuse is a compile error spanned on the offending tokens: an unknown or
 /// repeated option, a malformed or zero duration, `lock` not shorter than `ttl`,
-/// `scope` naming no parameter or a type that is not a [`Scope`], a function that is
-/// not `async`, two `Tx` parameters, a non-boolean `required`. At run time, every
-/// answer idem gives itself is listed in the crate docs' table.
+/// neither `scope` nor `unscoped = true`, `scope` naming no parameter or a type
+/// that is not a [`Scope`], a function that is not `async`, two `Tx` parameters, a
+/// non-boolean `required`. At run time, every answer idem gives itself is listed
+/// in the crate docs' table.
 ///
 /// # Examples
 ///
@@ -215,8 +221,9 @@
 ///     message: String,
 /// }
 ///
-/// // No transaction: the store's database is named with `db`.
-/// #[idempotent(db = sqlx::Sqlite, ttl = "1h", lock = "5s")]
+/// // No transaction: the store's database is named with `db`. No caller to tell
+/// // apart: keys are the sender's own event ids.
+/// #[idempotent(unscoped = true, db = sqlx::Sqlite, ttl = "1h", lock = "5s")]
 /// async fn ping(key: Option<IdempotencyKey>, Json(ping): Json<Ping>) -> (StatusCode, String) {
 ///     let reference = key.map(|k| k.derive("ping")).unwrap_or_default();
 ///     (StatusCode::OK, format!("{} {reference}", ping.message))

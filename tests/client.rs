@@ -48,7 +48,7 @@ impl axum::extract::FromRef<App> for Idempotency<Sqlite> {
     }
 }
 
-#[idempotent(lock = "2s")]
+#[idempotent(unscoped = true, lock = "2s")]
 async fn pay(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Response {
     let failing = app
         .fail
@@ -68,7 +68,7 @@ async fn pay(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Respon
     }
 }
 
-#[idempotent(lock = "2s")]
+#[idempotent(unscoped = true, lock = "2s")]
 async fn slow(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Response {
     let inserted = sqlx::query("INSERT INTO payments (body) VALUES (?1)")
         .bind(&body)

@@ -1,10 +1,10 @@
-//! The attribute's options: `scope`, `ttl`, `lock`, `wait`, `required`,
-//! `ttl_header`, `db`.
+//! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
+//! `required`, `ttl_header`, `db`.
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Token, Type};
 
-const OPTIONS: &str = "`scope`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `db`";
+const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `db`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -20,6 +20,7 @@ pub(crate) struct Duration {
 #[derive(Default)]
 pub(crate) struct Args {
     pub(crate) scope: Option<LitStr>,
+    pub(crate) unscoped: Option<LitBool>,
     pub(crate) ttl: Option<Duration>,
     pub(crate) lock: Option<Duration>,
     pub(crate) wait: Option<Duration>,
@@ -89,9 +90,12 @@ impl Parse for Args {
                         format!("expected a duration string, like `{key} = \"30s\"`"),
                     )),
                 },
-                "required" | "ttl_header" => match input.parse()? {
-                    Lit::Bool(lit) if key == "required" => args.required = Some(lit),
-                    Lit::Bool(lit) => args.ttl_header = Some(lit),
+                "required" | "ttl_header" | "unscoped" => match input.parse()? {
+                    Lit::Bool(lit) => match key.as_str() {
+                        "required" => args.required = Some(lit),
+                        "ttl_header" => args.ttl_header = Some(lit),
+                        _ => args.unscoped = Some(lit),
+                    },
                     other => errors.push(Error::new_spanned(
                         other,
                         "expected `true` or `false`",

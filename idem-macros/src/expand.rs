@@ -172,9 +172,29 @@ impl<'a> Handler<'a> {
             }
         };
 
-        let scope_value = match &args.scope {
-            None => quote!(::std::string::String::new()),
-            Some(lit) => match self.scope_param(lit) {
+        // One key space for every client is a choice the handler spells out: by
+        // default a guessed key (`order-1`) would replay another user's response.
+        let unscoped = args.unscoped.as_ref().filter(|lit| lit.value);
+        let scope_value = match (&args.scope, unscoped) {
+            (None, Some(_)) => quote!(::std::string::String::new()),
+            (Some(_), Some(unscoped)) => {
+                errors.push(Error::new_spanned(
+                    unscoped,
+                    "`scope` and `unscoped = true` contradict each other: keep `scope`",
+                ));
+                TokenStream::new()
+            }
+            (None, None) => {
+                errors.push(Error::new_spanned(
+                    &func.sig.ident,
+                    "keys need a scope: name the parameter that identifies the caller, \
+                     `scope = \"user\"`, or write `unscoped = true` for an endpoint with no \
+                     caller to tell apart (a webhook); in one key space shared by every \
+                     client, a guessed key replays another client's response",
+                ));
+                TokenStream::new()
+            }
+            (Some(lit), None) => match self.scope_param(lit) {
                 Ok((ident, ty)) => {
                     quote_spanned!(ty.span()=> #private::scope_of(&#ident))
                 }

@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent(ttl = "24x")]
+#[idempotent(unscoped = true, ttl = "24x")]
 async fn pay(tx: Tx<Sqlite>) -> StatusCode {
     let _ = tx;
     StatusCode::CREATED

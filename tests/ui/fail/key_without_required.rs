@@ -4,7 +4,7 @@ use sqlx::Sqlite;
 
 use idem::IdempotencyKey;
 
-#[idempotent(required = false)]
+#[idempotent(unscoped = true, required = false)]
 async fn pay(key: IdempotencyKey, tx: Tx<Sqlite>) -> StatusCode {
     let _ = (key, tx);
     StatusCode::CREATED

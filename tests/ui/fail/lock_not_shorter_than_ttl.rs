@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent(ttl = "1h", lock = "60m")]
+#[idempotent(unscoped = true, ttl = "1h", lock = "60m")]
 async fn pay(tx: Tx<Sqlite>) -> StatusCode {
     let _ = tx;
     StatusCode::CREATED

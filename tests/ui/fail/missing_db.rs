@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent]
+#[idempotent(unscoped = true)]
 async fn pay() -> StatusCode {
     StatusCode::CREATED
 }

@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent(lock = "-1s")]
+#[idempotent(unscoped = true, lock = "-1s")]
 async fn pay(tx: Tx<Sqlite>) -> StatusCode {
     let _ = tx;
     StatusCode::CREATED

@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent]
+#[idempotent(unscoped = true)]
 fn pay(tx: Tx<Sqlite>) -> StatusCode {
     let _ = tx;
     StatusCode::CREATED

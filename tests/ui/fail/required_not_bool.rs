@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent(required = "yes")]
+#[idempotent(unscoped = true, required = "yes")]
 async fn pay(tx: Tx<Sqlite>) -> StatusCode {
     let _ = tx;
     StatusCode::CREATED

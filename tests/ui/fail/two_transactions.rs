@@ -2,7 +2,7 @@ use axum::http::StatusCode;
 use idem::{idempotent, Tx};
 use sqlx::Sqlite;
 
-#[idempotent]
+#[idempotent(unscoped = true)]
 async fn pay(tx: Tx<Sqlite>, other: Tx<Sqlite>) -> StatusCode {
     let _ = (tx, other);
     StatusCode::CREATED

@@ -6,7 +6,7 @@ use axum::Router;
 use idem::{idempotent, Idempotency, Tx};
 use sqlx::Postgres;
 
-#[idempotent(ttl = "24h", lock = "30s", wait = "5s", ttl_header = true)]
+#[idempotent(unscoped = true, ttl = "24h", lock = "30s", wait = "5s", ttl_header = true)]
 async fn pay(tx: Tx<Postgres>, body: String) -> (StatusCode, String) {
     let _ = tx;
     (StatusCode::CREATED, body)

@@ -20,12 +20,12 @@ struct Ping {
     message: String,
 }
 
-#[idempotent(db = Postgres)]
+#[idempotent(unscoped = true, db = Postgres)]
 async fn touch() -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
-#[idempotent(db = sqlx::Postgres, ttl = "3d")]
+#[idempotent(unscoped = true, db = sqlx::Postgres, ttl = "3d")]
 async fn echo(key: Option<IdempotencyKey>, Json(ping): Json<Ping>) -> impl IntoResponse {
     let relayed = key.map(|k| k.derive("echo")).unwrap_or_default();
     (StatusCode::OK, format!("{} {relayed}", ping.message))

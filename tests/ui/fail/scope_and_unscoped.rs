@@ -1,0 +1,11 @@
+use axum::http::StatusCode;
+use idem::{idempotent, Tx};
+use sqlx::Sqlite;
+
+#[idempotent(scope = "user", unscoped = true)]
+async fn pay(user: String, tx: Tx<Sqlite>) -> StatusCode {
+    let _ = (user, tx);
+    StatusCode::CREATED
+}
+
+fn main() {}

@@ -1,8 +1,8 @@
 //! What exactly-once costs at the engine level, without HTTP in the way.
 //!
 //! ```text
-//! cargo bench --bench engine                # 5 s per variant, 32 workers
-//! cargo bench --bench engine -- --secs 2 --workers 16
+//! cargo bench --all-features --bench engine                # 5 s per variant, 32 workers
+//! cargo bench --all-features --bench engine -- --secs 2 --workers 16
 //! ```
 //!
 //! Every variant makes the same business write (one INSERT in a transaction):

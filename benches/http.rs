@@ -2,10 +2,10 @@
 //! PostgreSQL.
 //!
 //! ```text
-//! cargo bench --bench http                            # 3 rounds, 5 s per variant, 32 connections
-//! cargo bench --bench http -- --secs 2 --connections 16 --rounds 1
-//! cargo bench --bench http -- --only idem-first,idem-replay   # and `bare`
-//! cargo bench --bench http -- --growth              # also with 10^4..10^6 keys stored
+//! cargo bench --all-features --bench http                            # 3 rounds, 5 s per variant, 32 connections
+//! cargo bench --all-features --bench http -- --secs 2 --connections 16 --rounds 1
+//! cargo bench --all-features --bench http -- --only idem-first,idem-replay   # and `bare`
+//! cargo bench --all-features --bench http -- --growth              # also with 10^4..10^6 keys stored
 //! ```
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a

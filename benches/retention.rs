@@ -2,8 +2,8 @@
 //! sweep's effect on first requests running beside it.
 //!
 //! ```text
-//! cargo bench --bench retention                 # 100 000 expired keys per backend
-//! cargo bench --bench retention -- --rows 1000000 --secs 3
+//! cargo bench --all-features --bench retention                 # 100 000 expired keys per backend
+//! cargo bench --all-features --bench retention -- --rows 1000000 --secs 3
 //! ```
 //!
 //! Each backend gets `--rows` expired, completed keys of a realistic size (a

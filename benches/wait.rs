@@ -1,8 +1,8 @@
 //! How soon a duplicate that `wait`s gets its answer once the first request is done.
 //!
 //! ```text
-//! cargo bench --bench wait           # 10 rounds per backend
-//! cargo bench --bench wait -- 50     # 50 rounds
+//! cargo bench --all-features --bench wait           # 10 rounds per backend
+//! cargo bench --all-features --bench wait -- 50     # 50 rounds
 //! ```
 //!
 //! Each round: a first request whose handler takes 100 ms, and 49 duplicates sent

@@ -1,10 +1,11 @@
 //! A payments API whose `POST /payments` is exactly-once under retries.
 //!
 //! ```text
-//! cargo run --example payments                      # SQLite file payments.db, no server needed
-//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --example payments
-//! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example payments
-//! cargo run --example payments -- demo              # a storm of retries through idem::client
+//! cargo run --example payments --features sqlite            # SQLite file payments.db, no server
+//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres \
+//!   cargo run --example payments --features sqlite,postgres
+//! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example payments --features sqlite,mysql
+//! cargo run --example payments --features sqlite -- demo    # a storm of retries through idem::client
 //! ```
 //!
 //! Environment: `DATABASE_URL` (default `sqlite://payments.db`, created and migrated
@@ -49,7 +50,6 @@
 //! while it waits for the provider, so SQLite runs one payment at a time.
 
 use std::borrow::Cow;
-use std::str::FromStr;
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
@@ -61,10 +61,16 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::{Backend, Idempotency, IdempotencyKey, Scope, Tx, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{MySql, MySqlConnection, PgConnection, Pool, Postgres, Row, Sqlite, SqliteConnection};
+#[cfg(feature = "mysql")]
+use sqlx::{MySql, MySqlConnection, mysql::MySqlPoolOptions};
+#[cfg(feature = "postgres")]
+use sqlx::{PgConnection, Postgres, postgres::PgPoolOptions};
+use sqlx::{Pool, Row};
+#[cfg(feature = "sqlite")]
+use sqlx::{
+    Sqlite, SqliteConnection,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions},
+};
 
 /// Every user's balance before their first payment.
 const OPENING_BALANCE: i64 = 1_000_000;
@@ -98,49 +104,56 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let addr = listener.local_addr()?;
 
-    let (app, backend) = if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        let pool = PgPoolOptions::new()
-            .max_connections(32)
-            .connect(&url)
-            .await?;
-        let provider = PgPoolOptions::new()
-            .max_connections(8)
-            .connect(&url)
-            .await?;
-        (
-            App::<Postgres>::start(pool, provider, latency).await?,
-            "PostgreSQL",
-        )
-    } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
-        let url = url.replacen("mariadb:", "mysql:", 1);
-        let pool = MySqlPoolOptions::new()
-            .max_connections(32)
-            .connect(&url)
-            .await?;
-        let provider = MySqlPoolOptions::new()
-            .max_connections(8)
-            .connect(&url)
-            .await?;
-        (
-            App::<MySql>::start(pool, provider, latency).await?,
-            "MySQL/MariaDB",
-        )
-    } else if url.starts_with("sqlite:") {
-        let options = SqliteConnectOptions::from_str(&url)?;
-        // The provider's ledger sits beside the database, in a file of its own.
-        let mut provider_path = options.get_filename().as_os_str().to_owned();
-        provider_path.push("-provider");
-        let pool = sqlite_pool(options, 8).await?;
-        let provider = sqlite_pool(SqliteConnectOptions::new().filename(provider_path), 2).await?;
-        (
-            App::<Sqlite>::start(pool, provider, latency).await?,
-            "SQLite",
-        )
-    } else {
-        return Err(format!(
-            "DATABASE_URL must be sqlite://…, postgres://… or mysql://…, not {url}"
-        )
-        .into());
+    // Each backend is there when the example is built with its feature.
+    let scheme = url.split(':').next().unwrap_or_default();
+    let (app, backend) = match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            let pool = PgPoolOptions::new()
+                .max_connections(32)
+                .connect(&url)
+                .await?;
+            let provider = PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&url)
+                .await?;
+            (
+                App::<Postgres>::start(pool, provider, latency).await?,
+                "PostgreSQL",
+            )
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            let url = url.replacen("mariadb:", "mysql:", 1);
+            let pool = MySqlPoolOptions::new()
+                .max_connections(32)
+                .connect(&url)
+                .await?;
+            let provider = MySqlPoolOptions::new()
+                .max_connections(8)
+                .connect(&url)
+                .await?;
+            (
+                App::<MySql>::start(pool, provider, latency).await?,
+                "MySQL/MariaDB",
+            )
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            use std::str::FromStr as _;
+            let options = SqliteConnectOptions::from_str(&url)?;
+            // The provider's ledger sits beside the database, in a file of its own.
+            let mut provider_path = options.get_filename().as_os_str().to_owned();
+            provider_path.push("-provider");
+            let pool = sqlite_pool(options, 8).await?;
+            let provider =
+                sqlite_pool(SqliteConnectOptions::new().filename(provider_path), 2).await?;
+            (
+                App::<Sqlite>::start(pool, provider, latency).await?,
+                "SQLite",
+            )
+        }
+        other => return Err(unsupported(other, &url).into()),
     };
 
     let app = if std::env::var_os("FAULT_ABORT_AFTER_COMMIT").is_some() {
@@ -184,6 +197,22 @@ async fn abort_after_commit(request: Request, next: axum::middleware::Next) -> R
     response
 }
 
+/// Why `DATABASE_URL` cannot be served by this build.
+fn unsupported(scheme: &str, url: &str) -> String {
+    let feature = match scheme {
+        "postgres" | "postgresql" => "postgres",
+        "mysql" | "mariadb" => "mysql",
+        "sqlite" => "sqlite",
+        _ => {
+            return format!(
+                "DATABASE_URL must be sqlite://…, postgres://… or mysql://…, not {url}"
+            );
+        }
+    };
+    format!("this build has no {feature} backend: run it with `--features {feature}`")
+}
+
+#[cfg(feature = "sqlite")]
 async fn sqlite_pool(
     options: SqliteConnectOptions,
     size: u32,
@@ -582,6 +611,7 @@ trait Ledger: Backend {
     fn charges(pool: &Pool<Self>) -> impl Future<Output = Result<Vec<Charge>, sqlx::Error>> + Send;
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 macro_rules! ledger {
     ($db:ty, $conn:ty, $id:literal, $now:literal) => {
         impl Ledger for $db {
@@ -715,12 +745,14 @@ macro_rules! ledger {
     };
 }
 
+#[cfg(feature = "postgres")]
 ledger!(
     Postgres,
     PgConnection,
     "BIGSERIAL PRIMARY KEY",
     "now()::text"
 );
+#[cfg(feature = "sqlite")]
 ledger!(
     Sqlite,
     SqliteConnection,
@@ -728,6 +760,7 @@ ledger!(
     "datetime('now')"
 );
 
+#[cfg(feature = "mysql")]
 impl Ledger for MySql {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // Binary collation: user ids compare exactly, as on the other backends.

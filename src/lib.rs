@@ -19,6 +19,8 @@
 //! engine, on a transaction it writes through:
 //!
 //! ```rust,no_run
+//! # #[cfg(feature = "postgres")]
+//! # mod example {
 //! use axum::{Json, Router, extract::FromRef, http::StatusCode, routing::post};
 //! use idem::{Idempotency, IdempotencyKey, Tx, idempotent};
 //! use sqlx::Postgres;
@@ -70,9 +72,28 @@
 //! fn app(state: AppState) -> Router {
 //!     Router::new().route("/transfers", post(transfer)).with_state(state)
 //! }
+//! # }
 //! ```
 //!
 //! See [`idempotent`] for its options and parameters.
+//!
+//! # Features
+//!
+//! No database driver is compiled by default, as in sqlx: enable the backend your
+//! application uses.
+//!
+//! | feature | what it adds |
+//! | --- | --- |
+//! | `axum` (default) | the `#[idempotent]` attribute, `axum::IdempotentRequest` for handlers written by hand |
+//! | `postgres` | the PostgreSQL backend, and `Partitions` for its partitioned layout |
+//! | `mysql` | the MySQL / MariaDB backend |
+//! | `sqlite` | the SQLite backend |
+//! | `client` | `idem::client`, the retrying tower layer for callers |
+//!
+//! ```toml
+//! [dependencies]
+//! idem = { version = "0.1", features = ["postgres"] }
+//! ```
 //!
 //! # Backends
 //!
@@ -112,6 +133,8 @@
 //! extractor [`axum::IdempotentRequest`] runs a closure under the engine:
 //!
 //! ```rust,no_run
+//! # #[cfg(feature = "sqlite")]
+//! # mod example {
 //! use axum::{Router, extract::FromRef, http::StatusCode, response::IntoResponse, routing::post};
 //! use idem::axum::IdempotentRequest;
 //! use idem::{Idempotency, Options};
@@ -148,6 +171,7 @@
 //!     .route("/transfers", post(transfer))
 //!     .with_state(AppState { idempotency });
 //! # Ok(()) }
+//! # }
 //! ```
 #![doc = include_str!("../docs/guarantees.md")]
 
@@ -213,6 +237,8 @@
 /// # Examples
 ///
 /// ```rust,no_run
+/// # #[cfg(feature = "sqlite")]
+/// # mod example {
 /// use axum::{Json, http::StatusCode};
 /// use idem::{IdempotencyKey, idempotent};
 ///
@@ -228,6 +254,7 @@
 ///     let reference = key.map(|k| k.derive("ping")).unwrap_or_default();
 ///     (StatusCode::OK, format!("{} {reference}", ping.message))
 /// }
+/// # }
 /// ```
 pub use idem_macros::idempotent;
 pub use idem_runtime::{

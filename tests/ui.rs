@@ -1,6 +1,6 @@
 //! Compile-time behaviour of `#[idempotent]`: what it accepts (`tests/ui/pass`)
 //! and the spanned error for each misuse (`tests/ui/fail`, one mistake a file).
-//! Regenerate the expected errors with `TRYBUILD=overwrite cargo test --test ui`.
+//! Regenerate the expected errors with `TRYBUILD=overwrite cargo test --all-features --test ui`.
 
 #[test]
 fn ui() {

@@ -69,7 +69,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo(idempotency: idem_runtime::Idempotency<sqlx::Sqlite>) -> Result<(), sqlx::Error> {
+    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
     /// for claim in idempotency.claims(None, true, 50).await? {
     ///     println!("stuck: {} {} since {} ms", claim.scope, claim.key, claim.age_ms);
     /// }

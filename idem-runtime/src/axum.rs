@@ -7,6 +7,8 @@
 //! # Examples
 //!
 //! ```rust,no_run
+//! # #[cfg(feature = "sqlite")]
+//! # mod example {
 //! use axum::{Router, extract::FromRef, http::StatusCode, response::IntoResponse, routing::post};
 //! use idem_runtime::axum::IdempotentRequest;
 //! use idem_runtime::{Idempotency, Options};
@@ -37,6 +39,7 @@
 //!
 //! # fn app(state: AppState) -> Router {
 //! Router::new().route("/orders", post(create_order)).with_state(state)
+//! # }
 //! # }
 //! ```
 

@@ -295,6 +295,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # mod example {
     /// use bytes::Bytes;
     /// use http::{Method, Response, StatusCode, Uri};
     /// use http_body_util::Full;
@@ -321,6 +323,7 @@ impl<DB: Backend> Idempotency<DB> {
     ///         })
     ///         .await
     /// }
+    /// # }
     /// ```
     pub async fn execute<F, B>(
         &self,

@@ -37,11 +37,11 @@ impl Store for MySql {
 
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
-            sql: include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
+            sql: include_str!("../migrations/mysql/0001_idempotency_keys.sql"),
             applied: Applied::TableExists,
         },
         Migration {
-            sql: include_str!("../../migrations/mysql/0002_content_type_and_sizes.sql"),
+            sql: include_str!("../migrations/mysql/0002_content_type_and_sizes.sql"),
             applied: Applied::HasColumn("content_type"),
         },
     ];

@@ -359,6 +359,6 @@ async fn retire_default(
 
 /// Bounds the default partition of a table the first release created.
 pub(crate) const UPGRADE_3: Migration = Migration {
-    sql: include_str!("../../migrations/postgres/partitioned/0003_bounded_default.sql"),
+    sql: include_str!("../migrations/postgres/partitioned/0003_bounded_default.sql"),
     applied: Applied::Rerun,
 };

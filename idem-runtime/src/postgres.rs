@@ -60,7 +60,7 @@ fn lock_left(table: &str) -> String {
 
 /// Content types in the request's identity; shared by both layouts.
 const UPGRADE_2: Migration = Migration {
-    sql: include_str!("../../migrations/postgres/0002_content_type.sql"),
+    sql: include_str!("../migrations/postgres/0002_content_type.sql"),
     applied: Applied::HasColumn("content_type"),
 };
 
@@ -97,7 +97,7 @@ impl Store for Postgres {
 
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
-            sql: include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
+            sql: include_str!("../migrations/postgres/0001_idempotency_keys.sql"),
             applied: Applied::TableExists,
         },
         UPGRADE_2,
@@ -107,7 +107,7 @@ impl Store for Postgres {
     // partition again after maintenance retired it.
     const IDEM_PARTITIONED_MIGRATIONS: Option<&'static [Migration]> = Some(&[
         Migration {
-            sql: include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql"),
+            sql: include_str!("../migrations/postgres/partitioned/0001_idempotency_keys.sql"),
             applied: Applied::TableExists,
         },
         UPGRADE_2,

@@ -29,11 +29,11 @@ impl Store for Sqlite {
 
     const IDEM_MIGRATIONS: &'static [Migration] = &[
         Migration {
-            sql: include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
+            sql: include_str!("../migrations/sqlite/0001_idempotency_keys.sql"),
             applied: Applied::TableExists,
         },
         Migration {
-            sql: include_str!("../../migrations/sqlite/0002_content_type.sql"),
+            sql: include_str!("../migrations/sqlite/0002_content_type.sql"),
             applied: Applied::HasColumn("content_type"),
         },
     ];

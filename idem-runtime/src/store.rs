@@ -27,6 +27,8 @@ pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// # Examples
 ///
 /// ```rust,no_run
+/// # #[cfg(feature = "sqlite")]
+/// # mod example {
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use idem_runtime::Idempotency;
 /// use sqlx::sqlite::SqlitePool;
@@ -39,6 +41,7 @@ pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 ///     .build()?;
 /// idempotency.migrate().await?;
 /// # Ok(()) }
+/// # }
 /// ```
 pub struct Idempotency<DB: Backend> {
     pub(crate) inner: Arc<Inner<DB>>,
@@ -87,6 +90,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # mod example {
     /// # async fn demo() -> Result<(), sqlx::Error> {
     /// use idem_runtime::Idempotency;
     ///
@@ -94,6 +99,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// let idempotency = Idempotency::new(pool);
     /// idempotency.migrate().await?;
     /// # Ok(()) }
+    /// # }
     /// ```
     pub fn new(pool: Pool<DB>) -> Self {
         Self::builder(pool).build_unchecked()
@@ -146,7 +152,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # fn demo(idempotency: idem_runtime::Idempotency<sqlx::Sqlite>) {
+    /// # fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) {
     /// println!("{}", idempotency.migration_sql());
     /// # }
     /// ```

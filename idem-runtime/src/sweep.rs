@@ -99,7 +99,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo(idempotency: idem_runtime::Idempotency<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
     /// use idem_runtime::Sweep;
     ///
     /// let report = idempotency.sweep(Sweep::new()).await?;
@@ -141,7 +141,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo(idempotency: idem_runtime::Idempotency<sqlx::Postgres>) {
+    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) {
     /// use std::time::Duration;
     /// use idem_runtime::Sweep;
     ///

@@ -3,7 +3,7 @@
 //! or `bad-*`), and the claim → execute → record state machine against a model,
 //! on SQLite, over random sequences of requests.
 //!
-//! `PROPTEST_CASES=2000 cargo test -p idem-runtime --test properties` runs longer.
+//! `PROPTEST_CASES=2000 cargo test -p idem-runtime --features sqlite --test properties` runs longer.
 
 #![allow(missing_docs)]
 

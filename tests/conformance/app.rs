@@ -41,6 +41,7 @@ pub fn open_gate(gate: &str) {
 }
 
 /// Returns once `gate` is open.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub async fn wait_for_gate(gate: &str) {
     while !gate_is_open(gate) {
         tokio::time::sleep(Duration::from_millis(5)).await;

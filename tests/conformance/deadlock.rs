@@ -14,7 +14,11 @@ use idem::axum::IdempotentRequest;
 use idem::{Idempotency, Options, Outcome};
 
 use crate::app::{self, Req, send};
-use crate::harness::{Harness, My, Pg, PgParted};
+use crate::harness::Harness;
+#[cfg(feature = "mysql")]
+use crate::harness::My;
+#[cfg(feature = "postgres")]
+use crate::harness::{Pg, PgParted};
 use crate::{BODY, await_started, start};
 
 struct Shop<H: Harness>(Idempotency<H::DB>);
@@ -162,16 +166,19 @@ async fn caught_deadlocks_are_recorded<H: Harness>() {
 }
 
 // SQLite has one writer, hence no deadlock.
+#[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_caught_deadlocks_are_recorded() {
     caught_deadlocks_are_recorded::<Pg>().await;
 }
 
+#[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_partitioned_caught_deadlocks_are_recorded() {
     caught_deadlocks_are_recorded::<PgParted>().await;
 }
 
+#[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_caught_deadlocks_are_recorded() {
     caught_deadlocks_are_recorded::<My>().await;

@@ -10,7 +10,9 @@ use idem::Outcome;
 use tokio::sync::Barrier;
 
 use crate::app::{self, Req, router, router_on, send};
-use crate::harness::{Harness, My};
+use crate::harness::Harness;
+#[cfg(feature = "mysql")]
+use crate::harness::My;
 use crate::{BODY, assert_in_flight, start, unique_suffix};
 
 /// Contract §2: the body's Content-Type belongs to the identity: the same bytes sent
@@ -180,6 +182,7 @@ pub async fn migrate_upgrades_a_table_of_the_previous_release<H: Harness>() {
 /// MySQL/MariaDB: the session settings idem changes for a claim (`wait_timeout`,
 /// `innodb_lock_wait_timeout`) come back to the application's own values, not the
 /// server's defaults, after every kind of request.
+#[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_session_settings_are_restored() {
     let Some(h) = start::<My>().await else { return };

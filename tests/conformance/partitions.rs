@@ -1,15 +1,16 @@
-//! The partitioned layout's maintenance, as deployments run it: late, twice at
-//! once, on a table of the first release whose default partition holds keys.
+//! The partitioned layout: claims racing across day boundaries, and maintenance as
+//! deployments run it: late, twice at once, on a table of the first release whose
+//! default partition holds keys.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem::{Idempotency, Outcome};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool, Postgres};
 
-use crate::app::{Req, router_on, send};
+use crate::app::{Req, router, router_on, send};
 use crate::harness::{Harness, PgParted};
-use crate::{BODY, start};
+use crate::{BODY, assert_in_flight, send_all, start};
 
 const TABLE: &str = "late_keys";
 
@@ -100,7 +101,9 @@ async fn partition_maintenance_takes_over_a_late_default_partition() {
         return;
     };
     let direct = h.direct_pool().clone();
-    let first = include_str!("../../migrations/postgres/partitioned/0001_idempotency_keys.sql");
+    let first = include_str!(
+        "../../idem-runtime/migrations/postgres/partitioned/0001_idempotency_keys.sql"
+    );
     h.script(&first.replace("idempotency_keys", TABLE)).await;
     let (today, tomorrow) = (day(&direct, 0).await, day(&direct, 1).await);
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -271,5 +274,121 @@ async fn claims_attach_the_day_maintenance_missed() {
         again.created.is_empty() && again.dropped.is_empty(),
         "{again:?}"
     );
+    h.finish().await;
+}
+
+/// Contract §6, I1 on the partitioned layout: the primary key includes `expires_at`,
+/// so duplicates whose expiries fall on different days would land in different
+/// partitions. Rounds of concurrent duplicates, half with a one-hour and half with
+/// a 49-hour ttl, must still execute each key once and keep one row per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitioned_claims_race_across_day_boundaries() {
+    let Some(h) = start::<PgParted>().await else {
+        return;
+    };
+    let app = router(&h);
+    for round in 0..12 {
+        let key = format!("k-boundary-{round}");
+        let reqs = (0..24)
+            .map(|i| {
+                let ttl: u64 = if i % 2 == 0 {
+                    3_600_000
+                } else {
+                    49 * 3_600_000
+                };
+                Req::post("alice", &key, BODY).header("x-ttl-ms", ttl)
+            })
+            .collect();
+        let got = send_all(&app, reqs).await;
+        let created: Vec<_> = got.iter().filter(|g| g.status == 201).collect();
+        assert!(!created.is_empty(), "round {round}");
+        for g in &got {
+            match g.status {
+                201 => assert_eq!(g.body, created[0].body, "round {round}"),
+                _ => {
+                    assert_in_flight(g);
+                }
+            }
+        }
+        let rows = h.key_rows("alice").await;
+        assert_eq!(
+            rows.iter().filter(|(k, _)| *k == key).count(),
+            1,
+            "one row for {key} across all partitions"
+        );
+    }
+    // The narrow case: the second request's lookup misses the first's row (not yet
+    // committed) and its lock comes after the first commits. Pairs released at
+    // staggered moments land in that window often enough to catch a claim that
+    // checks for the key before taking the lock.
+    for pair in 0..300u64 {
+        let key = format!("k-pair-{pair}");
+        let first = Req::post("bob", &key, BODY).header("x-ttl-ms", 3_600_000);
+        let second = Req::post("bob", &key, BODY).header("x-ttl-ms", 49 * 3_600_000);
+        let app2 = app.clone();
+        let a = tokio::spawn(async move { send(&app2, &first).await });
+        // Let the first one start (a task spawned from a worker waits in its LIFO
+        // slot until this task yields), then stagger the second behind it.
+        tokio::task::yield_now().await;
+        let spin = Instant::now() + Duration::from_micros(50 * (pair % 300));
+        while Instant::now() < spin {
+            std::hint::spin_loop();
+        }
+        let b = send(&app, &second).await;
+        let a = a.await.expect("first of the pair");
+        assert!(matches!(a.status, 201 | 409) && matches!(b.status, 201 | 409));
+    }
+    assert_eq!(h.effects("bob").await, 300, "one execution per pair");
+    assert_eq!(h.effects("alice").await, 12, "one execution per key");
+    h.finish().await;
+}
+
+/// Contract §6: maintenance drops every day partition whose day has ended, with its
+/// keys, creates the days ahead, and leaves live keys alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partition_maintenance_drops_ended_days() {
+    let Some(h) = start::<PgParted>().await else {
+        return;
+    };
+    let app = router(&h);
+    let pool = h.direct_pool().clone();
+    let old: String =
+        sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 3, 'YYYYMMDD')")
+            .fetch_one(&pool)
+            .await
+            .expect("date");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE idempotency_keys_p{old} PARTITION OF idempotency_keys \
+             FOR VALUES FROM ((now() AT TIME ZONE 'UTC')::date - 3) \
+                          TO ((now() AT TIME ZONE 'UTC')::date - 2); \
+         INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         SELECT 'old', 'k-' || g, 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
+             now() - interval '4 days', ((now() AT TIME ZONE 'UTC')::date - 3) + interval '1 hour', \
+             now() - interval '4 days' \
+         FROM generate_series(1, 50) AS g"
+    )))
+    .execute(&pool)
+    .await
+    .expect("a partition for a day that has ended");
+    let live = send(&app, &Req::post("alice", "k-live", BODY)).await;
+    assert_eq!(live.status, 201);
+
+    let changed = h.store().maintain_partitions(4).await.expect("maintenance");
+    assert_eq!(changed.dropped, [format!("idempotency_keys_p{old}")]);
+    assert_eq!(
+        changed.created.len(),
+        1,
+        "the one new day ahead: {changed:?}"
+    );
+    assert!(h.key_rows("old").await.is_empty(), "its keys went with it");
+    let again = h.store().maintain_partitions(4).await.expect("maintenance");
+    assert!(
+        again.created.is_empty() && again.dropped.is_empty(),
+        "idempotent"
+    );
+    let replay = send(&app, &Req::post("alice", "k-live", BODY)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, live.body);
     h.finish().await;
 }

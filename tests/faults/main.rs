@@ -2,9 +2,9 @@
 //! real processes and real databases.
 //!
 //! ```text
-//! cargo test --test faults                    # the bounded form CI runs
-//! IDEM_FAULTS=full cargo test --test faults   # more keys, longer storms
-//! IDEM_FAULTS_ONLY=hang cargo test --test faults   # one scenario: crash, hang,
+//! cargo test --all-features --test faults                    # the bounded form CI runs
+//! IDEM_FAULTS=full cargo test --all-features --test faults   # more keys, longer storms
+//! IDEM_FAULTS_ONLY=hang cargo test --all-features --test faults   # one scenario: crash, hang,
 //!                                                  # killed, locked, pool, storm,
 //!                                                  # hostile or restart
 //! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers

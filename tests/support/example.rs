@@ -19,6 +19,7 @@ pub(crate) fn binary() -> PathBuf {
             let mut build = Command::new(cargo);
             build
                 .args(["build", "--example", "payments"])
+                .args(["--features", "mysql,postgres,sqlite"])
                 .current_dir(env!("CARGO_MANIFEST_DIR"));
             if profile_dir.ends_with("release") {
                 build.arg("--release");

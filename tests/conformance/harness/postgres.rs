@@ -1,0 +1,339 @@
+//! PostgreSQL, in both layouts.
+
+use std::time::Duration;
+
+use idem::{Idempotency, Tx};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres, Row};
+
+use super::*;
+
+/// PostgreSQL, in the plain layout (`Pg`) or partitioned by day (`PgParted`).
+pub struct PgLayout<const PARTITIONED: bool> {
+    admin: PgPool,
+    /// The stores' pool: through PgBouncer on a pooler run.
+    pool: PgPool,
+    /// Straight to the server, for the suite's own reads and writes.
+    direct: PgPool,
+    /// Set on a pooler run: the stores are built `transaction_pooled`.
+    pooled: bool,
+    /// Another instance's pool: its `search_path` starts with an empty schema of
+    /// its own, so `current_schema()` differs while the tables are the same.
+    other_pool: PgPool,
+    store: Idempotency<Postgres>,
+    schema: String,
+    _leftover: Leftover,
+}
+
+/// The isolation level a CI configuration set as the database's or role's default
+/// (`IDEM_TEST_POSTGRES_ISOLATION`, e.g. `repeatable read`): checked, so that a
+/// run meant for it cannot pass at another.
+fn expected_pg_isolation() -> Option<String> {
+    std::env::var("IDEM_TEST_POSTGRES_ISOLATION").ok()
+}
+
+pub type Pg = PgLayout<false>;
+pub type PgParted = PgLayout<true>;
+
+impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
+    type DB = Postgres;
+
+    // This test's sessions: every pool of a test carries its schema's name.
+    const LOCK_WAITS: &'static str = "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' \
+           AND application_name = current_setting('application_name')";
+
+    const BEGIN_READ_COMMITTED: &'static str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+    fn direct_pool(&self) -> &PgPool {
+        &self.direct
+    }
+
+    const ERROR_VOIDS_TRANSACTION: bool = true;
+
+    async fn start(max_response_bytes: usize) -> Option<Self> {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let options: PgConnectOptions = url.parse().expect("IDEM_TEST_POSTGRES_URL");
+        let admin = match PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone())
+            .await
+        {
+            Ok(admin) => admin,
+            Err(error) if !in_ci() => {
+                eprintln!(
+                    "SKIPPED: PostgreSQL not reachable at {url} ({error}); CI=true makes this a failure"
+                );
+                return None;
+            }
+            Err(error) => panic!("PostgreSQL not reachable at {url}: {error}"),
+        };
+        let schema = unique("idem_test");
+        let pooler = std::env::var("IDEM_TEST_POSTGRES_POOLER_URL").ok();
+        let (pool, direct, other_pool, leftover) = match &pooler {
+            None => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other"
+                )))
+                .execute(&admin)
+                .await
+                .expect("create schema");
+                let options = options.application_name(&schema);
+                let pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(options.clone().options([("search_path", schema.as_str())]))
+                    .await
+                    .expect("connect to test schema");
+                let other_path = format!("{schema}_other, {schema}");
+                let other_pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(options.options([("search_path", other_path.as_str())]))
+                    .await
+                    .expect("connect with another search path");
+                let leftover = Leftover::statement::<sqlx::PgConnection>(
+                    url,
+                    format!(
+                        "DROP SCHEMA IF EXISTS {schema} CASCADE; \
+                         DROP SCHEMA IF EXISTS {schema}_other CASCADE"
+                    ),
+                );
+                (pool.clone(), pool, other_pool, leftover)
+            }
+            // Through a transaction pooler no session setting sticks, so each test
+            // gets a database of its own; both instances go through the pooler.
+            Some(pooler_url) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {schema}")))
+                    .execute(&admin)
+                    .await
+                    .expect("create database");
+                let leftover = Leftover::statement::<sqlx::PgConnection>(
+                    url,
+                    format!("DROP DATABASE IF EXISTS {schema} WITH (FORCE)"),
+                );
+                let direct = PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect_with(options.database(&schema).application_name(&schema))
+                    .await
+                    .expect("connect to test database");
+                let through: PgConnectOptions =
+                    pooler_url.parse().expect("IDEM_TEST_POSTGRES_POOLER_URL");
+                let through = through.database(&schema).application_name(&schema);
+                let pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(through.clone())
+                    .await
+                    .expect("connect through the pooler");
+                let other_pool = PgPoolOptions::new()
+                    .max_connections(24)
+                    .connect_with(through)
+                    .await
+                    .expect("connect through the pooler");
+                (pool, direct, other_pool, leftover)
+            }
+        };
+        let pooled = pooler.is_some();
+        if let Some(expected) = expected_pg_isolation() {
+            let level: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+                .fetch_one(&direct)
+                .await
+                .expect("isolation level");
+            assert_eq!(level, expected, "the default isolation level of this run");
+        }
+        sqlx::raw_sql(
+            "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, note TEXT NOT NULL)",
+        )
+        .execute(&direct)
+        .await
+        .expect("create effects");
+        let mut builder = Idempotency::builder(pool.clone()).max_response_bytes(max_response_bytes);
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        if pooled {
+            builder = builder.transaction_pooled().listen_pool(direct.clone());
+        }
+        let store = builder.build().expect("store");
+        store.migrate().await.expect("migrate");
+        if PARTITIONED {
+            store.maintain_partitions(3).await.expect("partitions");
+        }
+        Some(Self {
+            admin,
+            pool,
+            direct,
+            pooled,
+            other_pool,
+            store,
+            schema,
+            _leftover: leftover,
+        })
+    }
+
+    fn store(&self) -> &Idempotency<Postgres> {
+        &self.store
+    }
+
+    fn another_instance(&self) -> Idempotency<Postgres> {
+        let mut builder = Idempotency::builder(self.other_pool.clone())
+            .max_response_bytes(self.store.max_response_bytes());
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        if self.pooled {
+            // No listen pool: this instance's waiters look again on their own.
+            builder = builder.transaction_pooled();
+        }
+        builder.build().expect("another instance")
+    }
+
+    fn insert_effect<'a>(
+        tx: &'a mut Tx<'_, Postgres>,
+        scope: &'a str,
+        note: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            // Unprepared, as statements must be through a transaction pooler.
+            sqlx::query_scalar("INSERT INTO effects (scope, note) VALUES ($1, $2) RETURNING id")
+                .persistent(false)
+                .bind(scope)
+                .bind(note)
+                .fetch_one(&mut **tx)
+                .await
+        })
+    }
+
+    async fn effects(&self, scope: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE scope = $1")
+            .bind(scope)
+            .fetch_one(&self.direct)
+            .await
+            .expect("count effects")
+    }
+
+    dynamic_sql!(sqlx::PgConnection, direct, str::to_owned);
+
+    async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
+        let rows = sqlx::query(
+            "SELECT idempotency_key, state, method, path, fingerprint, status, headers, body \
+             FROM idempotency_keys WHERE scope = $1 ORDER BY idempotency_key",
+        )
+        .bind(scope)
+        .fetch_all(&self.direct)
+        .await
+        .expect("read keys");
+        rows.iter()
+            .map(|row| {
+                (
+                    row.get("idempotency_key"),
+                    KeyRow {
+                        state: row.get("state"),
+                        method: row.get("method"),
+                        path: row.get("path"),
+                        fingerprint: row.get("fingerprint"),
+                        status: row.get::<Option<i16>, _>("status").map(i32::from),
+                        headers: row.get("headers"),
+                        body: row.get("body"),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    async fn insert_stale_claim(
+        &self,
+        scope: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES ($1, $2, 'processing', 42, $3, $4, $5, now() - interval '1 second', \
+                 now() + interval '1 hour', now() - interval '31 seconds')",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(method)
+        .bind(path)
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.direct)
+        .await
+        .expect("insert stale claim");
+    }
+
+    async fn insert_expired(&self, scope: &str, prefix: &str, count: i64, completed: bool) {
+        let state = if completed { "completed" } else { "processing" };
+        sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             SELECT $1, $2 || g, $3, 7, 'POST', '/effects', '\\x00', 201, '', 'old', \
+                 now() - interval '2 hours', now() - interval '1 second', now() - interval '2 hours' \
+             FROM generate_series(1, $4) AS g",
+        )
+        .bind(scope)
+        .bind(prefix)
+        .bind(state)
+        .bind(count)
+        .execute(&self.direct)
+        .await
+        .expect("insert expired keys");
+    }
+
+    async fn legacy_table(&self, table: &str, body: &[u8]) {
+        let first = if PARTITIONED {
+            include_str!(
+                "../../../idem-runtime/migrations/postgres/partitioned/0001_idempotency_keys.sql"
+            )
+        } else {
+            include_str!("../../../idem-runtime/migrations/postgres/0001_idempotency_keys.sql")
+        };
+        self.script(&first.replace("idempotency_keys", table)).await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             VALUES ('alice', 'k-old', 'completed', 1, 'POST', '/effects', $1, 201, \
+                     'content-type: application/json\r\n'::bytea, 'old-body'::bytea, \
+                     now(), now() + interval '1 hour', now()), \
+                    ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', $1, NULL, \
+                     NULL, NULL, now() - interval '1 second', now() + interval '1 hour', now())"
+        )))
+        .bind(&idem::fingerprint(body)[..])
+        .execute(&self.direct)
+        .await
+        .expect("legacy rows");
+    }
+
+    fn store_on(&self, table: &str) -> Idempotency<Postgres> {
+        let mut builder = Idempotency::builder(self.pool.clone()).table(table);
+        if PARTITIONED {
+            builder = builder.partitioned_by_day();
+        }
+        if self.pooled {
+            builder = builder.transaction_pooled();
+        }
+        builder.build().expect("store")
+    }
+
+    async fn open_transactions(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE (application_name = $1 OR datname = $1) \
+               AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&self.schema)
+        .fetch_one(&self.admin)
+        .await
+        .expect("read pg_stat_activity")
+    }
+
+    async fn finish(self) {
+        self.pool.close().await;
+        self.other_pool.close().await;
+        self.direct.close().await;
+        self.admin.close().await;
+    }
+}

@@ -174,6 +174,7 @@
 //! # }
 //! ```
 #![doc = include_str!("../docs/guarantees.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// Makes an axum handler exactly-once under the `Idempotency-Key` header.
 ///

@@ -37,13 +37,12 @@ use sqlx::{Database, Transaction};
 ///
 /// Each keeps the same contract (`docs/contract.md` in the repository), each in its
 /// own way: where a claim lives, how a duplicate is told at once, what ends a stuck
-/// executor. The table below says how; the designs, and what they cost measured on
-/// this project's machines, are in `docs/backends.md`, and what each needs from its
-/// configuration in `docs/deployment.md`.
+/// executor. The [`idem`](https://docs.rs/idem) crate's documentation compares them
+/// guarantee by guarantee (`docs/guarantees.md` in the repository); the designs, and
+/// what they cost measured on this project's machines, are in `docs/backends.md`,
+/// and what each needs from its configuration in `docs/deployment.md`.
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API.
-///
-#[doc = include_str!("../../docs/guarantees.md")]
 pub trait Backend: Database + sealed::Store {}
 
 impl<DB: Database + sealed::Store> Backend for DB {}

@@ -3,6 +3,7 @@
 //!
 //! Most users depend on `idem` and never name this crate; its items are re-exported
 //! there.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
 #[cfg(feature = "axum")]

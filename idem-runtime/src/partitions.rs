@@ -26,7 +26,7 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, Row as _};
 use crate::backend::{Applied, Migration};
 use crate::store::{DEFAULT_TABLE, Idempotency};
 
-/// What [`Idempotency::maintain_partitions`] changed.
+/// What [`Idempotency::maintain_partitions`] changed (feature `postgres`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Partitions {

@@ -33,7 +33,7 @@ use common::identity;
 
 const DUPLICATES: usize = 49;
 
-fn held<DB: Backend>(_tx: Tx<'_, DB>) -> HandlerFuture<'_, Full<Bytes>> {
+fn held<DB: Backend>(_tx: Tx<DB>) -> HandlerFuture<Full<Bytes>> {
     Box::pin(async {
         tokio::time::sleep(Duration::from_secs(3)).await;
         common::ok_response()
@@ -86,7 +86,7 @@ async fn conflicts<DB: Backend>(backend: &str, store: Idempotency<DB>) -> String
     )
 }
 
-fn slow<DB: Backend>(_tx: Tx<'_, DB>) -> HandlerFuture<'_, Full<Bytes>> {
+fn slow<DB: Backend>(_tx: Tx<DB>) -> HandlerFuture<Full<Bytes>> {
     Box::pin(async {
         tokio::time::sleep(Duration::from_millis(100)).await;
         common::ok_response()

@@ -32,27 +32,9 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-/// The user's function as written, plus the errors: one mistake, one message. Only
-/// `Tx<DB>` gains the `'_` an `async fn` parameter needs (the rewrite moves it out
-/// of the signature), so that the function itself adds no error of its own.
+/// The user's function as written, plus the errors: one mistake, one message.
 fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
     let errors = error.to_compile_error();
-    let mut func = func.clone();
-    for input in &mut func.sig.inputs {
-        if let FnArg::Typed(param) = input
-            && tx_database(&param.ty).is_some()
-            && let Type::Path(path) = &mut *param.ty
-            && let Some(segment) = path.path.segments.last_mut()
-            && let PathArguments::AngleBracketed(args) = &mut segment.arguments
-            && !args
-                .args
-                .iter()
-                .any(|a| matches!(a, GenericArgument::Lifetime(_)))
-        {
-            let elided = syn::Lifetime::new("'_", segment.ident.span());
-            args.args.insert(0, GenericArgument::Lifetime(elided));
-        }
-    }
     quote! { #errors #func }
 }
 

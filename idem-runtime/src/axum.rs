@@ -108,7 +108,7 @@ impl<DB: Backend> IdempotentRequest<DB> {
     /// [`Idempotency::execute`].
     pub async fn run<F>(self, scope: &str, options: Options, handler: F) -> Response
     where
-        F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
+        F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
         Self::run_parts(
             &self.store,
@@ -133,7 +133,7 @@ impl<DB: Backend> IdempotentRequest<DB> {
         handler: F,
     ) -> Response
     where
-        F: for<'t> FnOnce(crate::Tx<'t, DB>) -> HandlerFuture<'t, Body> + Send + 'static,
+        F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
         let request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
             .with_content_type(content_type(parts));

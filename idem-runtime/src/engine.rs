@@ -3,7 +3,6 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
-use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
@@ -15,7 +14,6 @@ use http_body::Body;
 use http_body_util::{BodyExt as _, Limited};
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
-use sqlx::{Database, Transaction};
 use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
@@ -26,61 +24,10 @@ use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
+use crate::tx::{Open, Tx};
 
-/// The transaction a handler writes through; the response is recorded in it.
-///
-/// It dereferences to the backend's connection, so it is used like a
-/// [`sqlx::Transaction`]: `query.execute(&mut *tx)`. Do not commit or roll back
-/// through it: idem commits the handler's writes together with the recorded response
-/// when the handler answers below 500, and rolls both back otherwise.
-///
-/// # Examples
-///
-/// ```rust,no_run
-/// use idem_runtime::Tx;
-/// use sqlx::Postgres;
-///
-/// async fn debit(tx: &mut Tx<'_, Postgres>, user: &str, amount: i64) -> Result<(), sqlx::Error> {
-///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
-///         .bind(amount)
-///         .bind(user)
-///         .execute(&mut **tx)
-///         .await?;
-///     Ok(())
-/// }
-/// ```
-pub struct Tx<'t, DB: Database> {
-    conn: &'t mut DB::Connection,
-}
-
-impl<'t, DB: Database> Tx<'t, DB> {
-    fn new(conn: &'t mut DB::Connection) -> Self {
-        Self { conn }
-    }
-}
-
-impl<DB: Database> Deref for Tx<'_, DB> {
-    type Target = DB::Connection;
-
-    fn deref(&self) -> &Self::Target {
-        self.conn
-    }
-}
-
-impl<DB: Database> DerefMut for Tx<'_, DB> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        self.conn
-    }
-}
-
-impl<DB: Database> fmt::Debug for Tx<'_, DB> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tx").field("backend", &DB::NAME).finish()
-    }
-}
-
-/// The future a handler closure returns: it may borrow the [`Tx`] it was given.
-pub type HandlerFuture<'t, B> = Pin<Box<dyn Future<Output = Response<B>> + Send + 't>>;
+/// The future a handler closure returns; it owns the [`Tx`] it was given.
+pub type HandlerFuture<B> = Pin<Box<dyn Future<Output = Response<B>> + Send>>;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -272,6 +219,8 @@ enum Ran {
     BodyFailed(BoxError),
     Panicked(String),
     TimedOut,
+    /// The handler's `Tx` outlived it (moved into a task of its own).
+    Escaped,
 }
 
 impl<DB: Backend> Idempotency<DB> {
@@ -332,7 +281,7 @@ impl<DB: Backend> Idempotency<DB> {
         handler: F,
     ) -> Response<Bytes>
     where
-        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
@@ -380,7 +329,7 @@ impl<DB: Backend> Idempotency<DB> {
         handler: F,
     ) -> (Outcome, Response<Bytes>)
     where
-        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
@@ -398,7 +347,7 @@ impl<DB: Backend> Idempotency<DB> {
                 return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
             }
             return match self.inner.pool.acquire().await {
-                Ok(mut conn) => self.run_unkeyed(&mut conn, handler).await,
+                Ok(conn) => self.run_unkeyed(conn, handler, &options).await,
                 Err(error) => self.store_failed(&error),
             };
         };
@@ -468,7 +417,7 @@ impl<DB: Backend> Idempotency<DB> {
         may_repair: bool,
     ) -> Step<F>
     where
-        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
@@ -493,7 +442,7 @@ impl<DB: Backend> Idempotency<DB> {
             .is_some_and(|seen| seen.check_in(signal));
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
-        let (mut tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
+        let (tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
             Ok(Opened::Claimed(tx)) => (tx, false),
             // `other` takes the whole result, so `conn` is free again below.
             other => match other.map(Opened::found) {
@@ -532,18 +481,21 @@ impl<DB: Backend> Idempotency<DB> {
             tracing::info!("taking over a claim whose lock had passed");
         }
 
+        let adopted = Open::adopt(tx);
+        let open = Open::new(conn, adopted);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
         let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
-        let ran = run_handler(
-            &mut tx,
-            handler,
-            Some(lock),
-            Some(self.inner.max_response_bytes),
-        );
+        let limit = Some(self.inner.max_response_bytes);
+        let (ran, open) = run_handler(open, handler, Some(lock), limit, lock).await;
+        let Some(mut open) = open else {
+            // The connection is still out: whoever holds it closes it when done, and
+            // the claim goes with it (SQLite's row once `lock` has passed).
+            return Step::Done(Outcome::Released, self.failed(ran));
+        };
         let clean;
         let mut committed = false;
-        let (outcome, response) = match ran.await {
+        let (outcome, response, mut conn) = match ran {
             Ran::Done(mut response) if !response.status().is_server_error() => {
                 if options.advertises_ttl() {
                     let seconds = options.ttl_duration().as_secs();
@@ -559,9 +511,9 @@ impl<DB: Backend> Idempotency<DB> {
                     ttl_ms: options.ttl_millis(),
                 };
                 let announce = waits.then_some(signal);
-                match DB::idem_record(&mut tx, sql, id, lease, recorded, announce).await {
-                    Ok(true) => match tx.commit().await {
-                        Ok(()) => {
+                match DB::idem_record(&mut open, sql, id, lease, recorded, announce).await {
+                    Ok(true) => match open.commit().await {
+                        (conn, Ok(())) => {
                             clean = true;
                             committed = true;
                             let outcome = if takeover {
@@ -569,33 +521,38 @@ impl<DB: Backend> Idempotency<DB> {
                             } else {
                                 Outcome::Executed
                             };
-                            (outcome, response)
+                            (outcome, response, conn)
                         }
                         // The commit may or may not have happened: a retry finds out.
-                        Err(error) => {
+                        (conn, Err(error)) => {
                             clean = false;
-                            self.store_failed(&error)
+                            let (outcome, response) = self.store_failed(&error);
+                            (outcome, response, conn)
                         }
                     },
                     Ok(false) => {
-                        clean = rollback(tx).await;
-                        (Outcome::Released, self.lease_expired())
+                        let conn;
+                        (conn, clean) = open.rollback().await;
+                        (Outcome::Released, self.lease_expired(), conn)
                     }
                     Err(error) => {
-                        clean = rollback(tx).await;
-                        if claimed_at.elapsed() >= lock {
+                        let conn;
+                        (conn, clean) = open.rollback().await;
+                        let (outcome, response) = if claimed_at.elapsed() >= lock {
                             // The server ended the session at its lock (PostgreSQL).
                             tracing::warn!(%error, "session ended after the lock passed");
                             (Outcome::Released, self.lease_expired())
                         } else {
                             self.store_failed(&error)
-                        }
+                        };
+                        (outcome, response, conn)
                     }
                 }
             }
             ran => {
-                clean = rollback(tx).await;
-                (Outcome::Released, self.failed(ran))
+                let conn;
+                (conn, clean) = open.rollback().await;
+                (Outcome::Released, self.failed(ran), conn)
             }
         };
         if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
@@ -654,31 +611,37 @@ impl<DB: Backend> Idempotency<DB> {
 
     async fn run_unkeyed<F, B>(
         &self,
-        conn: &mut PoolConnection<DB>,
+        mut conn: PoolConnection<DB>,
         handler: F,
+        options: &Options,
     ) -> (Outcome, Response<Bytes>)
     where
-        F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B> + Send + 'static,
+        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let mut tx = match DB::idem_begin(conn).await {
-            Ok(tx) => tx,
+        let adopted = match DB::idem_begin(&mut conn).await {
+            Ok(tx) => Open::adopt(tx),
             Err(error) => return self.store_failed(&error),
         };
-        let (outcome, response, clean) = match run_handler(&mut tx, handler, None, None).await {
+        let open = Open::new(conn, adopted);
+        let (ran, open) = run_handler(open, handler, None, None, options.lock_duration()).await;
+        let Some(open) = open else {
+            return (Outcome::Unkeyed, self.failed(ran));
+        };
+        let (mut conn, outcome, response, clean) = match ran {
             Ran::Done(response) if !response.status().is_server_error() => {
-                match tx.commit().await {
-                    Ok(()) => return (Outcome::Unkeyed, response),
-                    Err(error) => {
+                match open.commit().await {
+                    (_, Ok(())) => return (Outcome::Unkeyed, response),
+                    (conn, Err(error)) => {
                         let (outcome, response) = self.store_failed(&error);
-                        (outcome, response, false)
+                        (conn, outcome, response, false)
                     }
                 }
             }
             ran => {
-                let clean = rollback(tx).await;
-                (Outcome::Unkeyed, self.failed(ran), clean)
+                let (conn, clean) = open.rollback().await;
+                (conn, Outcome::Unkeyed, self.failed(ran), clean)
             }
         };
         if !clean {
@@ -828,6 +791,11 @@ impl<DB: Backend> Idempotency<DB> {
                     "the handler failed; the request was rolled back",
                 )
             }
+            Ran::Escaped => self.problem(
+                Problem::HandlerFailed,
+                "the handler's transaction outlived it (a Tx moved into a task of its own); \
+                 its writes were rolled back and nothing was recorded",
+            ),
             Ran::TimedOut => {
                 tracing::warn!("handler ran past its lock; cancelled and rolled back");
                 let detail =
@@ -838,22 +806,27 @@ impl<DB: Backend> Idempotency<DB> {
     }
 }
 
-/// Runs the handler on `tx` and buffers its body, catching panics and, with `lock`,
-/// dropping it at the deadline.
+/// Lends `open` to the handler and buffers its response, catching panics and, with
+/// `lock`, dropping the handler at the deadline. Gives the transaction back when
+/// the handler has dropped its `Tx`; a `Tx` that outlives the handler is waited for
+/// up to `escaped_wait`, and the run is `Escaped` either way.
 async fn run_handler<DB, F, B>(
-    tx: &mut Transaction<'_, DB>,
+    open: Open<DB>,
     handler: F,
     lock: Option<Duration>,
     limit: Option<usize>,
-) -> Ran
+    escaped_wait: Duration,
+) -> (Ran, Option<Open<DB>>)
 where
     DB: Backend,
-    F: for<'t> FnOnce(Tx<'t, DB>) -> HandlerFuture<'t, B>,
+    F: FnOnce(Tx<DB>) -> HandlerFuture<B>,
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let started = TokioInstant::now();
+    let (tx, mut back) = Tx::lend(open);
     let work = AssertUnwindSafe(async {
-        let (parts, body) = handler(Tx::new(&mut **tx)).await.into_parts();
+        let (parts, body) = handler(tx).await.into_parts();
         let collected = match limit {
             Some(limit) => Limited::new(body, limit).collect().await,
             None => body.collect().await.map_err(Into::into),
@@ -866,30 +839,30 @@ where
     })
     .catch_unwind();
     let caught = match lock {
-        Some(lock) => match tokio::time::timeout(lock, work).await {
-            Ok(caught) => caught,
-            Err(_elapsed) => return Ran::TimedOut,
-        },
-        None => work.await,
+        Some(lock) => tokio::time::timeout(lock, work).await.ok(),
+        None => Some(work.await),
     };
-    caught.unwrap_or_else(|panic| {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "non-string panic payload".to_owned());
-        Ran::Panicked(message)
-    })
-}
-
-/// Rolls back; `false` when that failed and the connection is suspect.
-async fn rollback<DB: Database>(tx: Transaction<'_, DB>) -> bool {
-    match tx.rollback().await {
-        Ok(()) => true,
-        Err(error) => {
-            tracing::warn!(%error, "rollback failed");
-            false
+    let ran = match caught {
+        None => Ran::TimedOut,
+        Some(Ok(ran)) => ran,
+        Some(Err(panic)) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".to_owned());
+            Ran::Panicked(message)
         }
+    };
+    // The handler's future is gone, and the `Tx` with it unless it was moved out.
+    if let Ok(open) = back.try_recv() {
+        return (ran, Some(open));
+    }
+    tracing::error!("the handler's Tx outlived the handler; its writes will be rolled back");
+    let deadline = started + escaped_wait;
+    match tokio::time::timeout_at(deadline, back).await {
+        Ok(Ok(open)) => (Ran::Escaped, Some(open)),
+        _ => (Ran::Escaped, None),
     }
 }
 

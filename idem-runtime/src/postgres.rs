@@ -726,7 +726,7 @@ mod tests {
 
         use crate::{HandlerFuture, IdempotencyKey, RequestIdentity, Tx};
 
-        fn done(_tx: Tx<'_, Postgres>) -> HandlerFuture<'_, Full<Bytes>> {
+        fn done(_tx: Tx<Postgres>) -> HandlerFuture<Full<Bytes>> {
             Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
         }
 

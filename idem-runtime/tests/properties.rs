@@ -255,7 +255,7 @@ fn bench() -> &'static Bench {
 fn handler(
     key: String,
     answer: Answer,
-) -> impl for<'t> FnOnce(Tx<'t, Sqlite>) -> HandlerFuture<'t, Full<Bytes>> + Send + 'static {
+) -> impl FnOnce(Tx<Sqlite>) -> HandlerFuture<Full<Bytes>> + Send + 'static {
     move |mut tx| {
         Box::pin(async move {
             let inserted: Result<i64, _> =

@@ -52,7 +52,7 @@ pub trait Harness: Send + Sync + Sized + 'static {
 
     /// The business write a handler makes: one row in `effects`, returning its id.
     fn insert_effect<'a>(
-        tx: &'a mut Tx<'_, Self::DB>,
+        tx: &'a mut Tx<Self::DB>,
         scope: &'a str,
         note: &'a str,
     ) -> BoxFuture<'a, Result<i64, sqlx::Error>>;

@@ -1010,6 +1010,47 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
     h.finish().await;
 }
 
+/// A `Tx` moved into a task of its own outlives its handler: the request is answered
+/// 500 `handler-failed`, what was written through it, before and after the handler
+/// answered, is rolled back, nothing is recorded, and a retry executes once.
+async fn escaped_transactions_are_rolled_back<H: Harness>() {
+    let Some(h) = start::<H>().await else {
+        return;
+    };
+    let app = router(&h);
+    let gate = format!("escape-{}", unique_suffix());
+    let escaping = Req::post("alice", "k-escape", BODY).header("x-escape", &gate);
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, &escaping).await })
+    };
+    await_started("k-escape").await;
+    app::open_gate(&gate);
+    let first = first.await.expect("escaping request");
+    assert_eq!(
+        first.status,
+        500,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    assert!(
+        String::from_utf8_lossy(&first.body).contains("handler-failed"),
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    assert_eq!(h.effects("alice").await, 0, "both writes rolled back");
+    let rows = h.key_rows("alice").await;
+    assert!(
+        rows.iter().all(|(_, row)| row.state != "completed"),
+        "nothing recorded: {rows:?}"
+    );
+    let retry = send(&app, &Req::post("alice", "k-escape", BODY)).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
         #[cfg(feature = "postgres")]
@@ -1084,4 +1125,5 @@ conformance!(
     expired_key_duplicates_answer_at_once,
     inconsistent_options_are_refused,
     migrate_upgrades_a_table_of_the_previous_release,
+    escaped_transactions_are_rolled_back,
 );

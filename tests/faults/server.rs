@@ -45,7 +45,7 @@ type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send +
 /// The business table, per backend.
 pub trait Effects: Backend {
     const CREATE: &'static str;
-    fn insert<'a>(tx: &'a mut Tx<'_, Self>, note: &'a str) -> Boxed<'a, i64>;
+    fn insert<'a>(tx: &'a mut Tx<Self>, note: &'a str) -> Boxed<'a, i64>;
     fn stats(pool: &Pool<Self>) -> Boxed<'_, (i64, i64)>;
 }
 
@@ -57,7 +57,7 @@ macro_rules! effects {
         impl Effects for $db {
             const CREATE: &'static str = $create;
 
-            fn insert<'a>(tx: &'a mut Tx<'_, Self>, note: &'a str) -> Boxed<'a, i64> {
+            fn insert<'a>(tx: &'a mut Tx<Self>, note: &'a str) -> Boxed<'a, i64> {
                 Box::pin(async move {
                     let done = sqlx::query($insert).bind(note).execute(&mut **tx).await?;
                     Ok(i64::try_from(done.rows_affected()).unwrap_or(0))

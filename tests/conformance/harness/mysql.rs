@@ -127,7 +127,7 @@ impl Harness for My {
     }
 
     fn insert_effect<'a>(
-        tx: &'a mut Tx<'_, MySql>,
+        tx: &'a mut Tx<MySql>,
         scope: &'a str,
         note: &'a str,
     ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {

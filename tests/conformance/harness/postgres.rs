@@ -189,7 +189,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     }
 
     fn insert_effect<'a>(
-        tx: &'a mut Tx<'_, Postgres>,
+        tx: &'a mut Tx<Postgres>,
         scope: &'a str,
         note: &'a str,
     ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {

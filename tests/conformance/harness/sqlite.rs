@@ -79,7 +79,7 @@ impl Harness for Lite {
     }
 
     fn insert_effect<'a>(
-        tx: &'a mut Tx<'_, Sqlite>,
+        tx: &'a mut Tx<Sqlite>,
         scope: &'a str,
         note: &'a str,
     ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {

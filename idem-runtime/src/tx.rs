@@ -1,0 +1,190 @@
+//! The handler's transaction: a connection with an open transaction, lent to the
+//! handler by the engine and handed back when the handler drops it.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Transaction};
+use sqlx_core::transaction::TransactionManager as _;
+use tokio::sync::oneshot;
+
+/// The transaction a handler writes through; the response is recorded in it.
+///
+/// It dereferences to the backend's connection, so it is used like a
+/// [`sqlx::Transaction`]: `query.execute(&mut *tx)`. Do not commit or roll back
+/// through it: idem commits the handler's writes together with the recorded response
+/// when the handler answers below 500, and rolls both back otherwise.
+///
+/// It owns its connection and names no lifetime, so helpers and aliases spell it the
+/// way handlers do. It belongs to the handler: when the handler ends, the engine
+/// takes the connection back to record the response. A `Tx` moved somewhere that
+/// outlives the handler (a spawned task) is a bug the engine catches: the request is
+/// answered 500 `handler-failed`, its writes are rolled back and nothing is
+/// recorded.
+///
+/// # Examples
+///
+/// ```rust,no_run
+/// use idem_runtime::Tx;
+/// use sqlx::Postgres;
+///
+/// type PgTx = Tx<Postgres>;
+///
+/// async fn debit(tx: &mut PgTx, user: &str, amount: i64) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
+///         .bind(amount)
+///         .bind(user)
+///         .execute(&mut **tx)
+///         .await?;
+///     Ok(())
+/// }
+/// ```
+pub struct Tx<DB: Database> {
+    lent: Option<Lent<DB>>,
+}
+
+/// The connection and the way home.
+struct Lent<DB: Database> {
+    open: Open<DB>,
+    home: oneshot::Sender<Open<DB>>,
+}
+
+impl<DB: Database> Tx<DB> {
+    /// Lends `open` until the returned receiver gets it back.
+    pub(crate) fn lend(open: Open<DB>) -> (Self, oneshot::Receiver<Open<DB>>) {
+        let (home, back) = oneshot::channel();
+        let tx = Self {
+            lent: Some(Lent { open, home }),
+        };
+        (tx, back)
+    }
+
+    fn open(&self) -> &Open<DB> {
+        match &self.lent {
+            Some(lent) => &lent.open,
+            // `lent` is only taken by `drop`.
+            None => unreachable!("a Tx is used after it was dropped"),
+        }
+    }
+
+    fn open_mut(&mut self) -> &mut Open<DB> {
+        match &mut self.lent {
+            Some(lent) => &mut lent.open,
+            None => unreachable!("a Tx is used after it was dropped"),
+        }
+    }
+}
+
+impl<DB: Database> Drop for Tx<DB> {
+    fn drop(&mut self) {
+        if let Some(Lent { open, home }) = self.lent.take() {
+            // The engine stopped waiting: the transaction is dropped, which closes
+            // its connection.
+            let _ = home.send(open);
+        }
+    }
+}
+
+impl<DB: Database> Deref for Tx<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        self.open()
+    }
+}
+
+impl<DB: Database> DerefMut for Tx<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.open_mut()
+    }
+}
+
+impl<DB: Database> fmt::Debug for Tx<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tx").field("backend", &DB::NAME).finish()
+    }
+}
+
+/// A pooled connection inside a transaction the engine opened, owned so that it can
+/// be lent to the handler. Dropped without [`commit`](Self::commit) or
+/// [`rollback`](Self::rollback), it closes the connection: the server rolls back
+/// and frees whatever the session held (MySQL's named locks).
+pub(crate) struct Open<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+}
+
+impl<DB: Database> Open<DB> {
+    /// Takes over `tx`, a transaction a backend began on `conn`. sqlx's guard
+    /// would roll back when dropped; from here on this one ends the transaction, so
+    /// the guard is forgotten (it holds only a borrow of `conn`).
+    pub(crate) fn adopt(tx: Transaction<'_, DB>) -> Adopted {
+        std::mem::forget(tx);
+        Adopted(())
+    }
+
+    /// The connection `adopt` left inside its transaction.
+    pub(crate) fn new(conn: PoolConnection<DB>, _adopted: Adopted) -> Self {
+        Self { conn: Some(conn) }
+    }
+
+    fn conn(&mut self) -> &mut PoolConnection<DB> {
+        match &mut self.conn {
+            Some(conn) => conn,
+            None => unreachable!("an Open is used after it ended"),
+        }
+    }
+
+    /// Commits; the connection comes back either way, to be finished or closed.
+    pub(crate) async fn commit(mut self) -> (PoolConnection<DB>, Result<(), sqlx::Error>) {
+        let result = DB::TransactionManager::commit(self.conn()).await;
+        (self.release(), result)
+    }
+
+    /// Rolls back; `false` when that failed and the connection is suspect.
+    pub(crate) async fn rollback(mut self) -> (PoolConnection<DB>, bool) {
+        let clean = match DB::TransactionManager::rollback(self.conn()).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "rollback failed");
+                false
+            }
+        };
+        (self.release(), clean)
+    }
+
+    fn release(mut self) -> PoolConnection<DB> {
+        match self.conn.take() {
+            Some(conn) => conn,
+            None => unreachable!("an Open is ended twice"),
+        }
+    }
+}
+
+/// Proof that a transaction was handed to [`Open`].
+pub(crate) struct Adopted(());
+
+impl<DB: Database> Deref for Open<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        match &self.conn {
+            Some(conn) => conn,
+            None => unreachable!("an Open is used after it ended"),
+        }
+    }
+}
+
+impl<DB: Database> DerefMut for Open<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.conn()
+    }
+}
+
+impl<DB: Database> Drop for Open<DB> {
+    fn drop(&mut self) {
+        if let Some(conn) = &mut self.conn {
+            conn.close_on_drop();
+        }
+    }
+}

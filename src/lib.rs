@@ -204,15 +204,24 @@
 ///
 /// # Parameters
 ///
-/// The rewritten function is still a plain axum handler (`post(handler)`), taking
-/// the same extractors in the same order, plus:
+/// Every parameter is an ordinary axum extractor, and the function as written is
+/// valid Rust: `#[axum::debug_handler]` works above or below the attribute, and
+/// the rewritten function is routed as usual (`post(handler)`), taking the same
+/// parameters in the same places. Two of them come from idem:
 ///
-/// - `tx: Tx<DB>`: the transaction the response is recorded in. Write through it
-///   (`query.execute(&mut *tx)`); the handler's writes commit with the response when
-///   it answers below 500, and are rolled back otherwise. Write the type as `Tx<DB>`.
-/// - `key: IdempotencyKey` (which makes the endpoint `required`) or
-///   `key: Option<IdempotencyKey>`: the client's key, bound to the scope, for relay
-///   to downstream providers; [`IdempotencyKey::derive`] gives stable sub-keys.
+/// - `tx: Tx<DB>` (or an alias of it): the transaction the response is recorded
+///   in, handed over once the key is claimed. Write through it
+///   (`query.execute(&mut *tx)`), or pass it to helpers as `&mut Tx<DB>`; the
+///   handler's writes commit with the response when it answers below 500, and are
+///   rolled back otherwise. Moved into a task that outlives the handler, it is
+///   caught: 500 `handler-failed`, rolled back, nothing recorded.
+/// - `key: IdempotencyKey` (requests without a key are answered 400
+///   `missing-key`) or `key: Option<IdempotencyKey>`: the client's key, bound to
+///   the scope, for relay to downstream providers; [`IdempotencyKey::derive`] gives
+///   stable sub-keys.
+///
+/// The store's database is read from a parameter written `Tx<DB>`; a handler
+/// without one (or with an alias of it) names it with `db = Postgres`.
 ///
 /// The last extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any other) is
 /// handed the body as received, after it is buffered (within axum's
@@ -232,8 +241,9 @@
 /// repeated option, a malformed or zero duration, `lock` not shorter than `ttl`,
 /// neither `scope` nor `unscoped = true`, `scope` naming no parameter or a type
 /// that is not a [`Scope`], a function that is not `async`, two `Tx` parameters, a
-/// non-boolean `required`. At run time, every answer idem gives itself is listed
-/// in the crate docs' table.
+/// non-boolean `required`. An attribute error comes alone: the function is still
+/// emitted as written, so its uses report nothing more. At run time, every answer
+/// idem gives itself is listed in the crate docs' table.
 ///
 /// # Examples
 ///

@@ -54,21 +54,12 @@ fn not_a_function(item: TokenStream) -> TokenStream {
     error.to_compile_error()
 }
 
-/// A parameter the runtime provides instead of axum.
-struct Provided<'a> {
-    param: &'a PatType,
-}
-
 /// What the handler's signature says.
 struct Handler<'a> {
-    /// Parameters axum extracts, in order; the last one becomes the body extractor.
-    extracted: Vec<&'a PatType>,
-    tx: Option<Provided<'a>>,
-    /// The database named by `Tx<DB>`.
+    /// Its parameters, in order; the last one is axum's body extractor.
+    params: Vec<&'a PatType>,
+    /// The database named by a parameter spelled `Tx<DB>`.
     db: Option<&'a Type>,
-    key: Option<Provided<'a>>,
-    /// `true` for `IdempotencyKey`, `false` for `Option<IdempotencyKey>`.
-    key_required: bool,
 }
 
 impl<'a> Handler<'a> {
@@ -82,12 +73,10 @@ impl<'a> Handler<'a> {
             ));
         }
         let mut handler = Handler {
-            extracted: Vec::new(),
-            tx: None,
+            params: Vec::new(),
             db: None,
-            key: None,
-            key_required: false,
         };
+        let mut txs = 0;
         for input in &sig.inputs {
             let param = match input {
                 FnArg::Typed(param) => param,
@@ -99,35 +88,19 @@ impl<'a> Handler<'a> {
                     continue;
                 }
             };
+            // Spelled out, a second `Tx` is caught here; behind an alias, it is
+            // refused when extracted.
             if let Some(db) = tx_database(&param.ty) {
-                if handler.tx.is_some() {
+                txs += 1;
+                if txs > 1 {
                     errors.push(Error::new_spanned(
                         &param.ty,
                         "a handler has one transaction: this is a second `Tx` parameter",
                     ));
-                    continue;
                 }
-                match db {
-                    Some(db) => handler.db = Some(db),
-                    None => errors.push(Error::new_spanned(
-                        &param.ty,
-                        "name the database of the transaction: `Tx<Postgres>` or `Tx<Sqlite>`",
-                    )),
-                }
-                handler.tx = Some(Provided { param });
-            } else if let Some(required) = key_param(&param.ty) {
-                if handler.key.is_some() {
-                    errors.push(Error::new_spanned(
-                        &param.ty,
-                        "the key is given once: this is a second `IdempotencyKey` parameter",
-                    ));
-                    continue;
-                }
-                handler.key = Some(Provided { param });
-                handler.key_required = required;
-            } else {
-                handler.extracted.push(param);
+                handler.db = handler.db.or(db);
             }
+            handler.params.push(param);
         }
         errors.finish()?;
         Ok(handler)
@@ -137,18 +110,22 @@ impl<'a> Handler<'a> {
         let mut errors = Errors::default();
         let private = quote!(::idem::__private);
         let call = Ident::new("__idem_call", Span::mixed_site());
-        let request = Ident::new("__idem_request", Span::mixed_site());
-        let tx = Ident::new("__idem_tx", Span::mixed_site());
-        let key = Ident::new("__idem_key", Span::mixed_site());
         let scope = Ident::new("__idem_scope", Span::mixed_site());
+        let mark = Ident::new("__idem_mark", Span::mixed_site());
+        let handed = Ident::new("__idem_handed", Span::mixed_site());
         let output = Ident::new("__idem_output", Span::mixed_site());
+        let tx = Ident::new("__idem_tx", Span::mixed_site());
+        let arg = |i: usize| Ident::new(&format!("__idem_a{i}"), Span::mixed_site());
+        let value = |i: usize| Ident::new(&format!("__idem_v{i}"), Span::mixed_site());
 
-        let db = match (self.db, &args.db) {
+        let db = match (&args.db, self.db) {
             (Some(db), _) | (None, Some(db)) => db.to_token_stream(),
             (None, None) => {
                 errors.push(Error::new_spanned(
                     &func.sig.ident,
-                    "a handler without a `Tx<DB>` parameter must name its store's database: `#[idempotent(db = Postgres, ...)]`",
+                    "name the database of the handler's store, `#[idempotent(db = Postgres, ...)]`: \
+                     idem reads it from a parameter written `Tx<DB>` and finds none here \
+                     (a type alias hides it)",
                 ));
                 TokenStream::new()
             }
@@ -157,14 +134,14 @@ impl<'a> Handler<'a> {
         // One key space for every client is a choice the handler spells out: by
         // default a guessed key (`order-1`) would replay another user's response.
         let unscoped = args.unscoped.as_ref().filter(|lit| lit.value);
-        let scope_value = match (&args.scope, unscoped) {
-            (None, Some(_)) => quote!(::std::string::String::new()),
+        let scope_param = match (&args.scope, unscoped) {
+            (None, Some(_)) => None,
             (Some(_), Some(unscoped)) => {
                 errors.push(Error::new_spanned(
                     unscoped,
                     "`scope` and `unscoped = true` contradict each other: keep `scope`",
                 ));
-                TokenStream::new()
+                None
             }
             (None, None) => {
                 errors.push(Error::new_spanned(
@@ -174,29 +151,31 @@ impl<'a> Handler<'a> {
                      caller to tell apart (a webhook); in one key space shared by every \
                      client, a guessed key replays another client's response",
                 ));
-                TokenStream::new()
+                None
             }
             (Some(lit), None) => match self.scope_param(lit) {
-                Ok((ident, ty)) => {
-                    quote_spanned!(ty.span()=> #private::scope_of(&#ident))
-                }
+                Ok(found) => Some(found),
                 Err(error) => {
                     errors.push(error);
-                    TokenStream::new()
+                    None
                 }
             },
         };
 
         let explicit = args.required.as_ref().map(|lit| lit.value);
-        if let (Some(false), true) = (explicit, self.key_required) {
-            let span = args.required.as_ref().map(|lit| lit.span());
+        if let Some(required) = args.required.as_ref().filter(|lit| !lit.value)
+            && self
+                .params
+                .iter()
+                .any(|p| is_named(&p.ty, "IdempotencyKey"))
+        {
             let message = "a handler taking `IdempotencyKey` needs a key on every request: \
                            take `Option<IdempotencyKey>`, or drop `required = false`";
-            errors.push(Error::new(span.unwrap_or_else(Span::call_site), message));
+            errors.push(Error::new_spanned(required, message));
         }
         errors.finish()?;
 
-        let required = explicit.unwrap_or(false) || self.key_required;
+        let required = explicit.unwrap_or(false);
         let ttl = args.ttl.as_ref().map_or(DEFAULT_TTL_MS, |d| d.millis);
         let lock = args.lock.as_ref().map_or(DEFAULT_LOCK_MS, |d| d.millis);
         let wait = args.wait.as_ref().map_or(0, |d| d.millis);
@@ -210,35 +189,44 @@ impl<'a> Handler<'a> {
                 .ttl_header(#ttl_header)
         };
 
-        // The last extracted parameter is axum's body extractor; the rest stay in
-        // the signature as they were written.
-        let (kept, body_pat, body_ty) = match self.extracted.split_last() {
-            Some((last, kept)) => (kept, last.pat.to_token_stream(), last.ty.to_token_stream()),
-            None => (&[][..], quote!(()), quote!(())),
-        };
-
-        let tx_binding = match &self.tx {
-            Some(Provided { param }) => {
-                let (pat, ty) = (&param.pat, &param.ty);
-                quote!(let #pat: #ty = #tx;)
+        // Every parameter keeps its place, so that the function still takes what it
+        // was written to take (`#[debug_handler]` checks it either side of this
+        // attribute). `State`s stay as written; the others are wrapped so that the
+        // runtime sees them, and bound to their patterns once the key is claimed.
+        let last = self.params.len().saturating_sub(1);
+        let mut inputs = Vec::new();
+        let mut before = Vec::new();
+        let mut receive = Vec::new();
+        let mut bind = Vec::new();
+        for (i, param) in self.params.iter().enumerate() {
+            let (pat, ty, a, v) = (&param.pat, &param.ty, arg(i), value(i));
+            let taken = if i == last {
+                inputs.push(quote!(#a: #private::Buffered<#db, #ty>));
+                quote!(#v)
+            } else if is_named(ty, "State") {
+                inputs.push(quote!(#param));
+                continue;
+            } else {
+                inputs.push(quote!(#a: #private::Arg<#db, #ty>));
+                quote!(#a.0)
+            };
+            if scope_param.is_some_and(|(index, _)| index == i) {
+                before.push(quote!(let #pat: #ty = #taken;));
+                continue;
             }
-            None => quote!(::std::mem::drop(#tx);),
-        };
-        let key_binding = match &self.key {
-            Some(Provided { param }) if self.key_required => {
-                let (pat, ty) = (&param.pat, &param.ty);
-                quote! {
-                    let #pat: #ty = match #key {
-                        ::std::option::Option::Some(key) => key,
-                        ::std::option::Option::None => return #private::missing_key(),
-                    };
-                }
-            }
-            Some(Provided { param }) => {
-                let (pat, ty) = (&param.pat, &param.ty);
-                quote!(let #pat: #ty = #key;)
-            }
-            None => quote!(let _ = #key;),
+            receive.push(quote_spanned! {ty.span()=>
+                let mut #v = #taken;
+                (&mut #v).idem_receive(&mut #handed);
+            });
+            bind.push(quote!(let #pat: #ty = #v;));
+        }
+        let (last_arg, last_value) = (arg(last), value(last));
+        if self.params.is_empty() {
+            inputs.push(quote!(#last_arg: #private::Buffered<#db, ()>));
+        }
+        let scope_value = match scope_param {
+            Some((_, (ident, ty))) => quote_spanned!(ty.span()=> #private::scope_of(&#ident)),
+            None => quote!(::std::string::String::new()),
         };
 
         let body = &func.block;
@@ -249,7 +237,6 @@ impl<'a> Handler<'a> {
                 #body
             }
         };
-
         let returns = match impl_trait_check(&func.sig.output, &func.sig.generics) {
             check if check.is_empty() => quote!(#user_body.await),
             check => quote!(#check(#user_body.await)),
@@ -259,22 +246,26 @@ impl<'a> Handler<'a> {
         let ident = &func.sig.ident;
         let generics = &func.sig.generics;
         let where_clause = &func.sig.generics.where_clause;
-        let kept = kept.iter();
 
         Ok(quote! {
             #(#attrs)*
-            #vis async fn #ident #generics (
-                #(#kept,)*
-                #request: #private::Buffered<#db, #body_ty>,
-            ) -> #private::Response #where_clause {
-                let (#call, #body_pat) = #request.into_parts();
+            #vis async fn #ident #generics (#(#inputs),*) -> #private::Response #where_clause {
+                let (#call, #last_value) = #last_arg.into_parts();
+                let #mark = #private::InHandler::of(&#call);
+                #(#before)*
                 let #scope: ::std::string::String = #scope_value;
-                let #key = #call.scoped_key(&#scope);
                 #call
-                    .run(&#scope, #options, move |#tx| {
+                    .run(&#scope.clone(), #options, move |#tx| {
                         ::std::boxed::Box::pin(async move {
-                            #tx_binding
-                            #key_binding
+                            #[allow(unused_imports)]
+                            use #private::{Inert as _, Receive as _};
+                            let mut #handed = #private::Handed::new(#tx, #scope, #mark);
+                            #(#receive)*
+                            if let ::std::option::Option::Some(refused) = #handed.refused() {
+                                return refused;
+                            }
+                            ::std::mem::drop(#handed);
+                            #(#bind)*
                             let #output = #returns;
                             #private::IntoResponse::into_response(#output)
                         })
@@ -284,29 +275,25 @@ impl<'a> Handler<'a> {
         })
     }
 
-    /// The extracted parameter whose pattern binds the name `scope` gives.
-    fn scope_param(&self, lit: &syn::LitStr) -> syn::Result<(Ident, &'a Type)> {
+    /// The parameter whose pattern binds the name `scope` gives: its index, the
+    /// binding and its type.
+    fn scope_param(&self, lit: &syn::LitStr) -> syn::Result<(usize, (&'a Ident, &'a Type))> {
         let wanted = lit.value();
-        for param in &self.extracted {
+        for (i, param) in self.params.iter().enumerate() {
             if let Some(ident) = binds(&param.pat, &wanted) {
-                return Ok((ident.clone(), &param.ty));
+                if is_named(&param.ty, "Tx") || is_named(&param.ty, "IdempotencyKey") {
+                    return Err(Error::new_spanned(
+                        lit,
+                        format!(
+                            "`{wanted}` is given by idem, not by the client: scope names the parameter that identifies the tenant or user"
+                        ),
+                    ));
+                }
+                return Ok((i, (ident, &param.ty)));
             }
         }
-        let provided = [self.tx.as_ref(), self.key.as_ref()];
-        if provided
-            .into_iter()
-            .flatten()
-            .any(|p| binds(&p.param.pat, &wanted).is_some())
-        {
-            return Err(Error::new_spanned(
-                lit,
-                format!(
-                    "`{wanted}` is given by idem, not by the client: scope names the parameter that identifies the tenant or user"
-                ),
-            ));
-        }
         let mut names = Vec::new();
-        for param in &self.extracted {
+        for param in &self.params {
             bindings(&param.pat, &mut names);
         }
         let hint = if names.is_empty() {
@@ -320,6 +307,11 @@ impl<'a> Handler<'a> {
             format!("no parameter named `{wanted}` to scope keys by; {hint}"),
         ))
     }
+}
+
+/// Whether `ty`'s path ends in `name`: a hint only, since an alias hides it.
+fn is_named(ty: &Type, name: &str) -> bool {
+    last_segment(ty).is_some_and(|segment| segment.ident == name)
 }
 
 /// `Some(Some(db))` for `Tx<DB>` (any path ending in `Tx`), `Some(None)` for a `Tx`
@@ -336,22 +328,6 @@ fn tx_database(ty: &Type) -> Option<Option<&Type>> {
         GenericArgument::Type(db) => Some(db),
         _ => None,
     }))
-}
-
-/// `Some(true)` for `IdempotencyKey`, `Some(false)` for `Option<IdempotencyKey>`.
-fn key_param(ty: &Type) -> Option<bool> {
-    let segment = last_segment(ty)?;
-    if segment.ident == "IdempotencyKey" {
-        return Some(true);
-    }
-    if segment.ident == "Option"
-        && let PathArguments::AngleBracketed(args) = &segment.arguments
-        && let Some(GenericArgument::Type(inner)) = args.args.first()
-        && last_segment(inner).is_some_and(|s| s.ident == "IdempotencyKey")
-    {
-        return Some(false);
-    }
-    None
 }
 
 fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {

@@ -43,9 +43,14 @@
 //! # }
 //! ```
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRef, FromRequest, OriginalUri, Request};
+use axum::extract::{
+    FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, OriginalUri, Request,
+};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
@@ -56,7 +61,8 @@ use crate::engine::{HandlerFuture, RequestIdentity};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
-use crate::store::Idempotency;
+use crate::store::{DEFAULT_PROBLEM_BASE, Idempotency};
+use crate::tx::Tx;
 
 /// A buffered request with its idempotency key, ready to [`run`](Self::run).
 ///
@@ -197,6 +203,202 @@ impl<DB: Backend, T> Buffered<DB, T> {
     }
 }
 
+/// Any other parameter of a handler rewritten by `#[idempotent]` but its `State`s:
+/// the user's extractor, run after marking the request as inside such a handler,
+/// which is what lets [`Tx`] and [`IdempotencyKey`] be extracted.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Arg<DB: Backend, T>(pub T, std::marker::PhantomData<fn() -> DB>);
+
+impl<S, DB, T> FromRequestParts<S> for Arg<DB, T>
+where
+    S: Send + Sync,
+    DB: Backend,
+    Idempotency<DB>: FromRef<S>,
+    T: FromRequestParts<S>,
+{
+    type Rejection = T::Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        InHandler::enter(&mut parts.extensions, &Idempotency::<DB>::from_ref(state));
+        let value = T::from_request_parts(parts, state).await?;
+        Ok(Self(value, std::marker::PhantomData))
+    }
+}
+
+/// Marks a request as being extracted for an `#[idempotent]` handler: its store's
+/// problem base, and how many `Tx` its parameters took.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct InHandler {
+    problem_base: Arc<str>,
+    txs: Arc<AtomicUsize>,
+}
+
+impl InHandler {
+    /// The mark on `request`, if its handler's parameters set one.
+    pub fn of<DB: Backend>(request: &IdempotentRequest<DB>) -> Option<Self> {
+        request.parts.extensions.get::<Self>().cloned()
+    }
+
+    fn enter<DB: Backend>(extensions: &mut http::Extensions, store: &Idempotency<DB>) {
+        if extensions.get::<Self>().is_none() {
+            extensions.insert(Self {
+                problem_base: store.problem_base().into(),
+                txs: Arc::new(AtomicUsize::new(0)),
+            });
+        }
+    }
+
+    fn problem(&self, problem: Problem, detail: &str) -> Response {
+        problem
+            .to_response(&self.problem_base, detail)
+            .map(Body::from)
+    }
+}
+
+/// Renders `problem` with the problem base of the handler `parts` is extracted for.
+fn parts_problem(parts: &Parts, problem: Problem, detail: &str) -> Response {
+    let base = parts
+        .extensions
+        .get::<InHandler>()
+        .map_or(DEFAULT_PROBLEM_BASE, |marked| &marked.problem_base);
+    problem.to_response(base, detail).map(Body::from)
+}
+
+/// Extracted as a parameter of an `#[idempotent]` handler, it receives the
+/// transaction once the key is claimed.
+///
+/// # Errors
+///
+/// 500 `handler-failed`, before anything is claimed, outside an `#[idempotent]`
+/// handler or for a handler's second `Tx`.
+impl<S: Send + Sync, DB: Backend> FromRequestParts<S> for Tx<DB> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let Some(marked) = parts.extensions.get::<InHandler>() else {
+            let detail = "a Tx is a parameter of an #[idempotent] handler; this handler is not one";
+            tracing::error!("{detail}");
+            return Err(parts_problem(parts, Problem::HandlerFailed, detail));
+        };
+        if marked.txs.fetch_add(1, Ordering::Relaxed) > 0 {
+            let detail = "a handler has one transaction: this is its second Tx";
+            tracing::error!("{detail}");
+            return Err(marked.problem(Problem::HandlerFailed, detail));
+        }
+        Ok(Self::waiting())
+    }
+}
+
+/// The request's `Idempotency-Key`: taking it makes the key required.
+///
+/// # Errors
+///
+/// 400 `missing-key` without one, 400 `invalid-key` for a malformed or repeated one.
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match <Self as OptionalFromRequestParts<S>>::from_request_parts(parts, state).await? {
+            Some(key) => Ok(key),
+            None => {
+                let detail = "this endpoint requires an Idempotency-Key header";
+                Err(parts_problem(parts, Problem::MissingKey, detail))
+            }
+        }
+    }
+}
+
+/// The request's `Idempotency-Key`, if it sent one.
+///
+/// # Errors
+///
+/// 400 `invalid-key` for a malformed or repeated key.
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
+        Self::from_headers(&parts.headers)
+            .map_err(|invalid| parts_problem(parts, Problem::InvalidKey, &invalid.to_string()))
+    }
+}
+
+/// What the engine hands an `#[idempotent]` handler's parameters before its body
+/// runs: the transaction for its `Tx`, the scope for its key.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Handed<DB: Backend> {
+    tx: Tx<DB>,
+    scope: String,
+    marked: Option<InHandler>,
+    attached: usize,
+}
+
+impl<DB: Backend> Handed<DB> {
+    /// `marked`: what [`InHandler::of`] found on the request.
+    pub fn new(tx: Tx<DB>, scope: String, marked: Option<InHandler>) -> Self {
+        Self {
+            tx,
+            scope,
+            marked,
+            attached: 0,
+        }
+    }
+
+    /// The answer when a `Tx` was extracted but got no transaction (it sits inside
+    /// another extractor): the body must not run with it.
+    pub fn refused(&self) -> Option<Response> {
+        let marked = self.marked.as_ref()?;
+        if marked.txs.load(Ordering::Relaxed) <= self.attached {
+            return None;
+        }
+        let detail = "a Tx inside another extractor gets no transaction: take it as a parameter of the #[idempotent] handler itself";
+        tracing::error!("{detail}");
+        Some(marked.problem(Problem::HandlerFailed, detail))
+    }
+}
+
+/// Hands a parameter what it needs from the engine; see [`Inert`].
+#[doc(hidden)]
+pub trait Receive<DB: Backend> {
+    fn idem_receive(&mut self, handed: &mut Handed<DB>);
+}
+
+impl<DB: Backend> Receive<DB> for Tx<DB> {
+    fn idem_receive(&mut self, handed: &mut Handed<DB>) {
+        if self.take_from(&mut handed.tx) {
+            handed.attached += 1;
+        }
+    }
+}
+
+impl<DB: Backend> Receive<DB> for IdempotencyKey {
+    fn idem_receive(&mut self, handed: &mut Handed<DB>) {
+        *self = self.clone().with_scope(&handed.scope);
+    }
+}
+
+impl<DB: Backend> Receive<DB> for Option<IdempotencyKey> {
+    fn idem_receive(&mut self, handed: &mut Handed<DB>) {
+        if let Some(key) = self {
+            key.idem_receive(handed);
+        }
+    }
+}
+
+/// Every other parameter receives nothing. Generated code calls
+/// `(&mut value).idem_receive(..)`: method resolution picks [`Receive`] when the
+/// value's type implements it, and this trait, one auto-reference later, otherwise.
+#[doc(hidden)]
+pub trait Inert<DB: Backend> {
+    fn idem_receive(&self, handed: &mut Handed<DB>) {
+        let _ = handed;
+    }
+}
+
+impl<T: ?Sized, DB: Backend> Inert<DB> for &mut T {}
+
 /// Marks [`Buffered`]'s `FromRequest` impl; `M` is the inner extractor's marker, so
 /// both body and parts extractors fit.
 #[doc(hidden)]
@@ -212,7 +414,11 @@ where
 {
     type Rejection = Response;
 
-    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(mut request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        InHandler::enter(
+            request.extensions_mut(),
+            &Idempotency::<DB>::from_ref(state),
+        );
         let request = IdempotentRequest::<DB>::from_request(request, state).await?;
         let copy = Request::from_parts(request.parts.clone(), Body::from(request.body.clone()));
         let value = T::from_request(copy, state)

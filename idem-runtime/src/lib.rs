@@ -53,22 +53,12 @@ pub use tx::Tx;
 #[doc(hidden)]
 #[cfg(feature = "axum")]
 pub mod __macro_support {
-    pub use crate::axum::{Buffered, IdempotentRequest};
-    pub use crate::{IdempotencyKey, Options, Problem, Scope, Tx};
+    pub use crate::axum::{Arg, Buffered, Handed, InHandler, Inert, Receive};
+    pub use crate::{Options, Scope};
     pub use ::axum::response::{IntoResponse, Response};
 
     /// The scope string of the parameter `scope = "..."` names.
     pub fn scope_of<T: Scope + ?Sized>(value: &T) -> String {
         value.scope().into_owned()
-    }
-
-    /// The answer for a handler that takes `IdempotencyKey` but got no key. The
-    /// engine refuses such requests first (the endpoint is `required`), so this only
-    /// keeps generated code free of panics.
-    pub fn missing_key() -> Response {
-        let detail = "this endpoint requires an Idempotency-Key header";
-        Problem::MissingKey
-            .to_response(crate::DEFAULT_PROBLEM_BASE, detail)
-            .map(::axum::body::Body::from)
     }
 }

@@ -17,11 +17,13 @@ use tokio::sync::oneshot;
 /// when the handler answers below 500, and rolls both back otherwise.
 ///
 /// It owns its connection and names no lifetime, so helpers and aliases spell it the
-/// way handlers do. It belongs to the handler: when the handler ends, the engine
-/// takes the connection back to record the response. A `Tx` moved somewhere that
-/// outlives the handler (a spawned task) is a bug the engine catches: the request is
-/// answered 500 `handler-failed`, its writes are rolled back and nothing is
-/// recorded.
+/// way handlers do. It is an axum extractor, valid only as a parameter of an
+/// `#[idempotent]` handler, which hands it the transaction once the key is claimed;
+/// anywhere else, extracting it answers 500 `handler-failed`. It belongs to the
+/// handler: when the handler ends, the engine takes the connection back to record
+/// the response. A `Tx` moved somewhere that outlives the handler (a spawned task)
+/// is a bug the engine catches: the request is answered 500 `handler-failed`, its
+/// writes are rolled back and nothing is recorded.
 ///
 /// # Examples
 ///
@@ -60,18 +62,39 @@ impl<DB: Database> Tx<DB> {
         (tx, back)
     }
 
+    /// A `Tx` extracted for a handler, waiting for the transaction the engine
+    /// opens once the key is claimed.
+    #[cfg(feature = "axum")]
+    pub(crate) fn waiting() -> Self {
+        Self { lent: None }
+    }
+
+    /// Takes over the transaction `from` holds; `false` if it holds none.
+    #[cfg(feature = "axum")]
+    pub(crate) fn take_from(&mut self, from: &mut Self) -> bool {
+        match from.lent.take() {
+            Some(lent) => {
+                self.lent = Some(lent);
+                true
+            }
+            None => false,
+        }
+    }
+
+    // A handler's body runs only once its `Tx` holds the transaction (the
+    // generated code answers 500 before the body otherwise), and `lent` is taken
+    // only when the `Tx` is dropped: without one, there is no connection to give.
     fn open(&self) -> &Open<DB> {
         match &self.lent {
             Some(lent) => &lent.open,
-            // `lent` is only taken by `drop`.
-            None => unreachable!("a Tx is used after it was dropped"),
+            None => unreachable!("a Tx is used without its transaction"),
         }
     }
 
     fn open_mut(&mut self) -> &mut Open<DB> {
         match &mut self.lent {
             Some(lent) => &mut lent.open,
-            None => unreachable!("a Tx is used after it was dropped"),
+            None => unreachable!("a Tx is used without its transaction"),
         }
     }
 }

@@ -6,13 +6,15 @@
 use std::marker::PhantomData;
 
 use axum::body::Body;
+use axum::extract::FromRequestParts;
 use axum::extract::{FromRef, Path, Request};
+use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use idem::{Idempotency, Scope, Tx, idempotent};
+use idem::{Idempotency, IdempotencyKey, Scope, Tx, idempotent};
 use serde::Deserialize;
 use sqlx::Connection as _;
 use tower::Layer as _;
@@ -174,6 +176,76 @@ async fn order<H: Harness>(
     )
 }
 
+/// The app's own name for its transaction, as axum users alias theirs.
+type BankTx<H> = Tx<<H as Harness>::DB>;
+
+#[derive(Deserialize)]
+pub struct Gift {
+    to: String,
+}
+
+/// A helper taking the alias, as handlers pass their transaction on.
+async fn note<H: Harness>(tx: &mut BankTx<H>, owner: &str, what: &str) -> Result<(), sqlx::Error> {
+    let audit = "INSERT INTO audit (owner, what) VALUES ($1, $2)";
+    H::exec(&mut **tx, audit, &[owner, what]).await.map(drop)
+}
+
+/// POST /v1/gifts: the transaction behind an alias (so the store's database is
+/// named with `db`), the key taken as a plain extractor and relayed per user.
+#[idempotent(scope = "user", db = H::DB, ttl = "1h", lock = "10s")]
+async fn gift<H: Harness>(
+    Extension(user): Extension<User>,
+    key: IdempotencyKey,
+    mut tx: BankTx<H>,
+    Json(req): Json<Gift>,
+) -> (StatusCode, String) {
+    let what = format!("gift to {} ref {}", req.to, key.derive("gift"));
+    match note::<H>(&mut tx, &user.0, &what).await {
+        Ok(()) => (
+            StatusCode::CREATED,
+            format!(r#"{{"ref":"{}"}}"#, key.derive("gift")),
+        ),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
+/// POST /v1/plain: a `Tx` in a handler that is not `#[idempotent]`.
+async fn plain<H: Harness>(mut tx: Tx<H::DB>) -> StatusCode {
+    let _ = note::<H>(&mut tx, "nobody", "plain").await;
+    StatusCode::CREATED
+}
+
+/// An extractor of the app's own that takes a `Tx` inside it.
+pub struct Wrapped<H: Harness>(BankTx<H>);
+
+impl<S: Send + Sync, H: Harness> FromRequestParts<S> for Wrapped<H> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Response> {
+        Ok(Self(Tx::from_request_parts(parts, state).await?))
+    }
+}
+
+/// POST /v1/wrapped: its `Tx` sits inside another extractor.
+#[idempotent(scope = "user", db = H::DB, ttl = "1h", lock = "10s")]
+async fn wrapped<H: Harness>(Extension(user): Extension<User>, w: Wrapped<H>) -> StatusCode {
+    let Wrapped(mut tx) = w;
+    let _ = note::<H>(&mut tx, &user.0, "wrapped").await;
+    StatusCode::CREATED
+}
+
+/// POST /v1/two: a second transaction, hidden from the attribute by an alias.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s")]
+async fn two<H: Harness>(
+    Extension(user): Extension<User>,
+    mut tx: Tx<H::DB>,
+    other: BankTx<H>,
+) -> StatusCode {
+    drop(other);
+    let _ = note::<H>(&mut tx, &user.0, "two").await;
+    StatusCode::CREATED
+}
+
 /// A middleware inside the router that rewrites every URI the handlers see, as
 /// some apps do to strip tenant prefixes: the identity must not follow it.
 async fn rewrite_uri(mut request: Request, next: Next) -> Response {
@@ -193,6 +265,10 @@ pub fn app<H: Harness>(idempotency: Idempotency<H::DB>) -> Service {
     let v1 = Router::new()
         .nest("/accounts/{acct}", accounts.clone())
         .route("/orders", post(order::<H>))
+        .route("/gifts", post(gift::<H>))
+        .route("/plain", post(plain::<H>))
+        .route("/wrapped", post(wrapped::<H>))
+        .route("/two", post(two::<H>))
         .merge(Router::new().route("/users", post(sign_up::<H>)));
     let v2 = Router::new().nest("/accounts/{acct}", accounts);
     // The same routes as a service of their own, mounted with `nest_service`.

@@ -56,7 +56,8 @@ use harness::My;
 use harness::{Pg, PgParted};
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
-    nested_routes_keep_their_identity, storms_over_two_instances_execute_each_key_once,
+    idem_extractors_work_in_any_handler, nested_routes_keep_their_identity,
+    storms_over_two_instances_execute_each_key_once,
 };
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
@@ -1126,4 +1127,5 @@ conformance!(
     inconsistent_options_are_refused,
     migrate_upgrades_a_table_of_the_previous_release,
     escaped_transactions_are_rolled_back,
+    idem_extractors_work_in_any_handler,
 );

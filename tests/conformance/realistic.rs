@@ -271,3 +271,67 @@ pub async fn storms_over_two_instances_execute_each_key_once<H: Harness>() {
     assert_eq!(total, i64::try_from(KEYS).expect("small"));
     h.finish().await;
 }
+
+async fn audits<H: Harness>(h: &H, what: &str) -> i64 {
+    let like = format!("{what}%");
+    h.count("SELECT count(*) FROM audit WHERE what LIKE $1", &[&like])
+        .await
+}
+
+fn problem_type(got: &Got) -> String {
+    let body = String::from_utf8_lossy(&got.body);
+    body.split("\"type\":\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// `Tx` and `IdempotencyKey` are ordinary extractors: behind an alias (with the
+/// database named by `db`) the transaction commits with the response and the key
+/// is bound to the caller's scope; a key-taking handler answers 400 without one;
+/// a `Tx` outside an `#[idempotent]` handler, inside another extractor, or taken
+/// twice is refused with 500 before anything is written or claimed.
+pub async fn idem_extractors_work_in_any_handler<H: Harness>() {
+    let Some((h, app)) = start_bank::<H>().await else {
+        return;
+    };
+    let gift = |user: &str, key: &str| bank::request("/v1/gifts", user, key, r#"{"to":"bob"}"#);
+    let first = call(&app, gift("alice", "g1")).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let again = call(&app, gift("alice", "g1")).await;
+    assert_eq!(again.outcome, Some(Outcome::Replayed));
+    assert_eq!(again.body, first.body);
+    let other = call(&app, gift("carol", "g1")).await;
+    assert_eq!(other.status, 201);
+    assert_ne!(other.body, first.body, "the relayed key is per caller");
+    assert_eq!(audits(&h, "gift to bob").await, 2, "one write per caller");
+
+    let mut keyless = gift("alice", "unused");
+    keyless.headers_mut().remove("idempotency-key");
+    let keyless = call(&app, keyless).await;
+    assert_eq!(keyless.status, 400);
+    assert!(
+        problem_type(&keyless).ends_with("missing-key"),
+        "{keyless:?}"
+    );
+
+    for path in ["/v1/plain", "/v1/wrapped", "/v1/two"] {
+        let got = call(&app, bank::request(path, "alice", "t1", "")).await;
+        assert_eq!(got.status, 500, "{path}: {got:?}");
+        assert!(
+            problem_type(&got).ends_with("handler-failed"),
+            "{path}: {got:?}"
+        );
+    }
+    for what in ["plain", "wrapped", "two"] {
+        assert_eq!(audits(&h, what).await, 0, "{what} wrote nothing");
+    }
+    let rows = h.key_rows("alice").await;
+    assert!(
+        rows.iter()
+            .all(|(key, row)| key == "g1" && row.state == "completed"),
+        "only the gift is stored: {rows:?}"
+    );
+    h.finish().await;
+}

@@ -1,0 +1,13 @@
+use axum::http::StatusCode;
+use idem::{idempotent, Tx};
+use sqlx::Sqlite;
+
+type LiteTx = Tx<Sqlite>;
+
+#[idempotent(unscoped = true)]
+async fn pay(tx: LiteTx) -> StatusCode {
+    let _ = tx;
+    StatusCode::CREATED
+}
+
+fn main() {}

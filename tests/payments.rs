@@ -1,5 +1,6 @@
-//! The payments example, run as a real process and driven over HTTP: its contract
-//! (README and `examples/payments.rs`) on SQLite and on PostgreSQL.
+//! The examples, run as real processes and driven over HTTP: the payments
+//! example's contract (README and `examples/payments/main.rs`) on SQLite,
+//! PostgreSQL and MySQL, and the quick start's.
 
 #![allow(missing_docs)]
 
@@ -28,19 +29,41 @@ impl Drop for Server {
 }
 
 async fn start(database_url: &str, dir: &std::path::Path) -> Server {
-    let child = tokio::task::spawn_blocking({
+    let command = {
         let url = database_url.to_owned();
+        move || {
+            let mut command = Command::new(example::binary());
+            command
+                .env("DATABASE_URL", url)
+                .env("PROVIDER_LATENCY_MS", "150");
+            command
+        }
+    };
+    let (server, first) = launch(command, dir).await;
+    let backend = match database_url.split(':').next() {
+        Some("postgres") => "PostgreSQL",
+        Some("mysql") => "MySQL",
+        _ => "SQLite",
+    };
+    assert!(first.contains(backend), "{first}");
+    server
+}
+
+/// Starts an example on any free port in `dir`; returns it with its first line.
+async fn launch(
+    command: impl FnOnce() -> Command + Send + 'static,
+    dir: &std::path::Path,
+) -> (Server, String) {
+    let child = tokio::task::spawn_blocking({
         let dir = dir.to_owned();
         move || {
-            Command::new(example::binary())
-                .env("DATABASE_URL", url)
+            command()
                 .env("BIND", "127.0.0.1:0")
-                .env("PROVIDER_LATENCY_MS", "150")
                 .current_dir(dir)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
-                .expect("start the payments example")
+                .expect("start the example")
         }
     })
     .await
@@ -64,14 +87,8 @@ async fn start(database_url: &str, dir: &std::path::Path) -> Server {
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("no address in {first:?}"))
         .to_owned();
-    let backend = match database_url.split(':').next() {
-        Some("postgres") => "PostgreSQL",
-        Some("mysql") => "MySQL",
-        _ => "SQLite",
-    };
-    assert!(first.contains(backend), "{first}");
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    server
+    (server, first)
 }
 
 #[derive(Debug)]
@@ -448,4 +465,46 @@ async fn payments_example_on_postgres() {
 async fn payments_example_on_mysql() {
     let fallback = "mysql://root@127.0.0.1:3306/test";
     on_server::<sqlx::MySql>("IDEM_TEST_MYSQL_URL", fallback, "").await;
+}
+
+/// The quick start, as a user copies it: one order per (user, key) however often it
+/// is sent, the same 201 replayed, and the same key from another user is another
+/// order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quickstart_example_orders_once() {
+    let dir = scratch_dir();
+    let (server, _) = launch(|| Command::new(example::quickstart()), &dir).await;
+    let order = |user: &'static str| {
+        let addr = server.addr.clone();
+        async move {
+            let headers = [("x-user", user), ("idempotency-key", "order-1"), JSON];
+            let body = r#"{"item": "book", "quantity": 2}"#;
+            call(&addr, "POST", "/orders", &headers, body).await
+        }
+    };
+    let first = order("alice").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let again = order("alice").await;
+    assert_eq!(
+        (again.status, again.body.as_str()),
+        (201, first.body.as_str())
+    );
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let bob = order("bob").await;
+    assert_eq!(bob.status, 201);
+    assert!(bob.header("idempotent-replayed").is_none());
+    let pen = r#"{"item": "pen", "quantity": 1}"#;
+    let keyless = call(
+        &server.addr,
+        "POST",
+        "/orders",
+        &[("x-user", "alice"), JSON],
+        pen,
+    )
+    .await;
+    assert_eq!(keyless.status, 400, "{keyless:?}");
+    let list = call(&server.addr, "GET", "/orders", &[("x-user", "alice")], "").await;
+    assert_eq!(list.json().as_array().map(Vec::len), Some(1), "{list:?}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(dir);
 }

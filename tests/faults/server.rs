@@ -5,7 +5,9 @@
 //! Environment: `DATABASE_URL`; `POOL` (connections, default 16); `ACQUIRE_MS`
 //! (pool acquire timeout, default 30000); `BODY_LIMIT` (bytes `/small` accepts,
 //! default 1024); `BODY_TIMEOUT_MS` and `MAX_RESPONSE` (the store's settings);
-//! `BUSY_MS` (SQLite's busy timeout, default 30000).
+//! `BUSY_MS` (SQLite's busy timeout, default 30000); `ABORT_AFTER_COMMIT=<key>`
+//! (the process dies right after the request under that `Idempotency-Key`
+//! commits, before its response is written).
 //! Prints `listening on http://ADDR` first.
 //!
 //! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
@@ -198,10 +200,36 @@ where
         .route("/stats", get(stats::<DB>))
         .route("/started/{note}", get(started))
         .with_state(store);
+    let router = match std::env::var("ABORT_AFTER_COMMIT") {
+        Ok(key) => router.layer(axum::middleware::from_fn(move |request, next| {
+            abort_after_commit(key.clone(), request, next)
+        })),
+        Err(_) => router,
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening on http://{}", listener.local_addr()?);
     axum::serve(listener, router).await?;
     Ok(())
+}
+
+/// Dies once the request keyed `target` has committed, before answering: the narrow
+/// window in which only the stored record can tell the client's retry what happened.
+async fn abort_after_commit(
+    target: String,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let key = request.headers().get("idempotency-key").cloned();
+    let response = next.run(request).await;
+    let executed = matches!(
+        response.extensions().get::<idem::Outcome>(),
+        Some(idem::Outcome::Executed | idem::Outcome::TakenOver)
+    );
+    if executed && key.is_some_and(|key| key.as_bytes() == target.as_bytes()) {
+        eprintln!("faults server: ABORT_AFTER_COMMIT: dying before answering");
+        std::process::abort();
+    }
+    response
 }
 
 async fn start() -> Result<(), Box<dyn std::error::Error>> {

@@ -1,0 +1,402 @@
+//! A payments API whose `POST /payments` is exactly-once under retries.
+//!
+//! ```text
+//! cargo run --example payments --features sqlite            # SQLite file payments.db, no server
+//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres \
+//!   cargo run --example payments --features sqlite,postgres
+//! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example payments --features sqlite,mysql
+//! cargo run --example payments --features sqlite -- demo    # a storm of retries through idem::client
+//! ```
+//!
+//! Environment: `DATABASE_URL` (default `sqlite://payments.db`, created and migrated
+//! at start; for `demo`, a scratch SQLite file), `BIND` (default `127.0.0.1:3000`;
+//! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25).
+//!
+//! `demo` serves the API behind a flaky proxy (it refuses some requests with 503 and
+//! loses the responses of some completed payments as 502) and sends it a storm of
+//! payments through the retrying client, each payment sent several times at once
+//! with one key, as a double-clicking user would; then it counts requests,
+//! executions, replays and charges, and fails unless each payment was charged once.
+//!
+//! ```text
+//! # pay; run it twice: the second answer is the replay (Idempotent-Replayed: true)
+//! curl -i -X POST localhost:3000/payments -H 'Authorization: Bearer alice' \
+//!   -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' \
+//!   -d '{"amount": 1200, "currency": "JPY", "to": "bob"}'
+//! # the same key twice at once: the second waits for the first (`wait = "5s"`) and
+//! # answers its response as a replay; with PROVIDER_LATENCY_MS=8000 it gives up at
+//! # 5 s with 409 in-flight and a Retry-After of what is left of the 30 s lock
+//! # the same key with another body: 422 payload-mismatch
+//! curl -i -X POST localhost:3000/payments -H 'Authorization: Bearer alice' \
+//!   -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' \
+//!   -d '{"amount": 9999, "currency": "JPY", "to": "bob"}'
+//! curl -s localhost:3000/payments -H 'Authorization: Bearer alice'
+//! curl -s localhost:3000/provider/charges
+//! ```
+//!
+//! The fake card provider stands for an external system: it commits each charge
+//! through its own connection, outside the payment's transaction, deduplicates on the
+//! key the handler relays (`key.derive("charge")`, unique per user and key), and
+//! only then waits `PROVIDER_LATENCY_MS` before answering. A crash during that wait
+//! is "the card was charged but we never heard back": the retry runs the handler
+//! again, the provider returns the same charge, and the payment commits once.
+//!
+//! On SQLite the provider keeps its ledger in its own file (`payments.db-provider`):
+//! the payment's transaction holds the application database's only write lock
+//! while it waits for the provider, so SQLite runs one payment at a time.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use axum::extract::{FromRef, FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idem::{Idempotency, IdempotencyKey, Scope, Tx, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::Pool;
+#[cfg(feature = "mysql")]
+use sqlx::{MySql, mysql::MySqlPoolOptions};
+#[cfg(feature = "postgres")]
+use sqlx::{Postgres, postgres::PgPoolOptions};
+#[cfg(feature = "sqlite")]
+use sqlx::{
+    Sqlite,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions},
+};
+
+mod demo;
+mod errors;
+mod ledger;
+
+use errors::{ApiError, ApiJson};
+use ledger::{Ledger, Provider};
+
+const OPENING_BALANCE: i64 = 1_000_000;
+
+// ---------------------------------------------------------------------------------
+// State and routes: the API, with its one exactly-once endpoint
+
+struct App<DB: Ledger> {
+    idempotency: Idempotency<DB>,
+    provider: Provider<DB>,
+}
+
+impl<DB: Ledger> Clone for App<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            idempotency: self.idempotency.clone(),
+            provider: self.provider.clone(),
+        }
+    }
+}
+
+impl<DB: Ledger> FromRef<App<DB>> for Idempotency<DB> {
+    fn from_ref(app: &App<DB>) -> Self {
+        app.idempotency.clone()
+    }
+}
+
+impl<DB: Ledger> App<DB> {
+    async fn start(
+        pool: Pool<DB>,
+        provider: Pool<DB>,
+        latency: Duration,
+    ) -> Result<Router, sqlx::Error> {
+        let idempotency = Idempotency::builder(pool)
+            .problem_base("https://payments.example/problems/")
+            .build()
+            .map_err(|e| sqlx::Error::Configuration(e.into()))?;
+        idempotency.migrate().await?;
+        DB::migrate(idempotency.pool()).await?;
+        DB::migrate_provider(&provider).await?;
+        let app = Self {
+            idempotency,
+            provider: Provider {
+                pool: provider,
+                latency,
+            },
+        };
+        Ok(Router::new()
+            .route(
+                "/payments",
+                post(create_payment::<DB>).get(list_payments::<DB>),
+            )
+            .route("/payments/{id}", get(get_payment::<DB>))
+            .route("/provider/charges", get(list_charges::<DB>))
+            .with_state(app))
+    }
+}
+
+#[derive(Deserialize)]
+struct NewPayment {
+    amount: i64,
+    currency: String,
+    to: String,
+}
+
+#[derive(Serialize)]
+struct Payment {
+    id: i64,
+    amount: i64,
+    currency: String,
+    to: String,
+    charge_id: String,
+}
+
+#[derive(Serialize)]
+struct Charge {
+    id: String,
+    user: String,
+    amount: i64,
+    currency: String,
+    key: String,
+}
+
+/// Charges the card through the provider (relaying a key derived from the
+/// client's), debits the balance and records the payment, all in `tx`: the payment
+/// and the recorded response commit together.
+#[idempotent(
+    scope = "user_id",
+    ttl = "24h",
+    lock = "30s",
+    wait = "5s",
+    required = true,
+    ttl_header = true
+)]
+async fn create_payment<DB: Ledger>(
+    State(app): State<App<DB>>,
+    user_id: UserId,
+    key: IdempotencyKey,
+    mut tx: Tx<DB>,
+    ApiJson(new): ApiJson<NewPayment>,
+) -> Result<Response, ApiError> {
+    new.validate()?;
+    let Some(_balance) = DB::debit(&mut tx, &user_id.0, new.amount).await? else {
+        return Err(ApiError::InsufficientFunds);
+    };
+    let charge = app
+        .provider
+        .charge(&user_id.0, new.amount, &new.currency, &key.derive("charge"))
+        .await?;
+    let id = DB::insert_payment(&mut tx, &user_id.0, &new, &charge).await?;
+    let payment = Payment {
+        id,
+        amount: new.amount,
+        currency: new.currency,
+        to: new.to,
+        charge_id: charge,
+    };
+    let location =
+        HeaderValue::try_from(format!("/payments/{id}")).map_err(|_| ApiError::Internal)?;
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(payment),
+    )
+        .into_response())
+}
+
+async fn list_payments<DB: Ledger>(
+    State(app): State<App<DB>>,
+    user_id: UserId,
+) -> Result<Response, ApiError> {
+    let (payments, balance) = DB::payments(app.idempotency.pool(), &user_id.0).await?;
+    Ok(Json(serde_json::json!({ "payments": payments, "balance": balance })).into_response())
+}
+
+async fn get_payment<DB: Ledger>(
+    State(app): State<App<DB>>,
+    user_id: UserId,
+    Path(id): Path<i64>,
+) -> Result<Response, ApiError> {
+    let (payments, _) = DB::payments(app.idempotency.pool(), &user_id.0).await?;
+    match payments.into_iter().find(|p| p.id == id) {
+        Some(payment) => Ok(Json(payment).into_response()),
+        None => Err(ApiError::NotFound),
+    }
+}
+
+async fn list_charges<DB: Ledger>(State(app): State<App<DB>>) -> Result<Response, ApiError> {
+    let charges = DB::charges(&app.provider.pool).await?;
+    Ok(Json(serde_json::json!({ "charges": charges })).into_response())
+}
+
+impl NewPayment {
+    fn validate(&self) -> Result<(), ApiError> {
+        if self.amount <= 0 {
+            return Err(ApiError::Invalid(
+                "`amount` must be a whole number above zero",
+            ));
+        }
+        if self.currency.len() != 3 || !self.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(ApiError::Invalid(
+                "`currency` must be a three-letter code such as JPY",
+            ));
+        }
+        if self.to.trim().is_empty() || self.to.len() > 200 {
+            return Err(ApiError::Invalid(
+                "`to` must name the payee (1 to 200 bytes)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Authentication (demo only: the bearer token IS the user id)
+
+struct UserId(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for UserId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && t.len() <= 200);
+        token
+            .map(|t| UserId(t.to_owned()))
+            .ok_or(ApiError::Unauthorized)
+    }
+}
+
+impl Scope for UserId {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.0)
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Start-up: the database from `DATABASE_URL`, then serve (or run the demo)
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let demo = match std::env::args().nth(1).as_deref() {
+        None => None,
+        Some("demo") => Some(demo::Scratch::new()),
+        Some(other) => return Err(format!("unknown mode {other:?}; usage: payments [demo]").into()),
+    };
+    let url = match (std::env::var("DATABASE_URL"), &demo) {
+        (Ok(url), _) => url,
+        (Err(_), Some(scratch)) => scratch.url(),
+        (Err(_), None) => "sqlite://payments.db".into(),
+    };
+    let default_bind = if demo.is_some() {
+        "127.0.0.1:0"
+    } else {
+        "127.0.0.1:3000"
+    };
+    let bind = std::env::var("BIND").unwrap_or_else(|_| default_bind.into());
+    let latency = match std::env::var("PROVIDER_LATENCY_MS") {
+        Ok(ms) => ms
+            .parse()
+            .map_err(|_| format!("PROVIDER_LATENCY_MS={ms}: not a number"))?,
+        Err(_) if demo.is_some() => 25,
+        Err(_) => 300,
+    };
+    let latency = Duration::from_millis(latency);
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    let addr = listener.local_addr()?;
+
+    // Each backend is there when the example is built with its feature.
+    let scheme = url.split(':').next().unwrap_or_default();
+    let (app, backend) = match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            let pool = PgPoolOptions::new()
+                .max_connections(32)
+                .connect(&url)
+                .await?;
+            let provider = PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&url)
+                .await?;
+            (
+                App::<Postgres>::start(pool, provider, latency).await?,
+                "PostgreSQL",
+            )
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            let url = url.replacen("mariadb:", "mysql:", 1);
+            let pool = MySqlPoolOptions::new()
+                .max_connections(32)
+                .connect(&url)
+                .await?;
+            let provider = MySqlPoolOptions::new()
+                .max_connections(8)
+                .connect(&url)
+                .await?;
+            (
+                App::<MySql>::start(pool, provider, latency).await?,
+                "MySQL/MariaDB",
+            )
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            use std::str::FromStr as _;
+            let options = SqliteConnectOptions::from_str(&url)?;
+            // The provider's ledger sits beside the database, in a file of its own.
+            let mut provider_path = options.get_filename().as_os_str().to_owned();
+            provider_path.push("-provider");
+            let pool = sqlite_pool(options, 8).await?;
+            let provider =
+                sqlite_pool(SqliteConnectOptions::new().filename(provider_path), 2).await?;
+            (
+                App::<Sqlite>::start(pool, provider, latency).await?,
+                "SQLite",
+            )
+        }
+        other => return Err(unsupported(other, &url).into()),
+    };
+
+    if demo.is_some() {
+        println!("payments demo on {backend}");
+        return demo::run(listener, app).await;
+    }
+    println!("payments: listening on http://{addr} ({backend}, {url})");
+    println!("try:");
+    println!(
+        "  curl -i -X POST http://{addr}/payments -H 'Authorization: Bearer alice' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{\"amount\": 1200, \"currency\": \"JPY\", \"to\": \"bob\"}}'"
+    );
+    println!("  curl -s http://{addr}/payments -H 'Authorization: Bearer alice'");
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// Why `DATABASE_URL` cannot be served by this build.
+fn unsupported(scheme: &str, url: &str) -> String {
+    let feature = match scheme {
+        "postgres" | "postgresql" => "postgres",
+        "mysql" | "mariadb" => "mysql",
+        "sqlite" => "sqlite",
+        _ => {
+            return format!(
+                "DATABASE_URL must be sqlite://…, postgres://… or mysql://…, not {url}"
+            );
+        }
+    };
+    format!("this build has no {feature} backend: run it with `--features {feature}`")
+}
+
+#[cfg(feature = "sqlite")]
+async fn sqlite_pool(
+    options: SqliteConnectOptions,
+    size: u32,
+) -> Result<Pool<Sqlite>, sqlx::Error> {
+    let options = options
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(30));
+    SqlitePoolOptions::new()
+        .max_connections(size)
+        .connect_with(options)
+        .await
+}

@@ -1,0 +1,123 @@
+//! The smallest exactly-once endpoint: `POST /orders` stores one order however often
+//! the client retries it. Copy it into a project of your own to start.
+//!
+//! ```text
+//! cargo run --example quickstart --features sqlite
+//! curl -i -X POST localhost:3000/orders -H 'X-User: alice' -H 'Idempotency-Key: order-1' \
+//!   -H 'Content-Type: application/json' -d '{"item": "book", "quantity": 2}'
+//! # the same again: the same 201, with Idempotent-Replayed: true; one order stored
+//! curl -s localhost:3000/orders -H 'X-User: alice'
+//! ```
+//!
+//! In your project: `idem = { version = "0.1", features = ["sqlite"] }` (or
+//! `postgres`, `mysql`), beside axum, sqlx, serde and tokio.
+
+use axum::extract::{FromRef, FromRequestParts, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::routing::post;
+use axum::{Json, Router};
+use idem::{Idempotency, Scope, Tx, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{Sqlite, SqlitePool};
+
+#[derive(Clone, FromRef)]
+struct AppState {
+    idempotency: Idempotency<Sqlite>,
+    pool: SqlitePool,
+}
+
+/// The caller. Here the `X-User` header; in your app, your authentication.
+struct User(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for User {
+    type Rejection = StatusCode;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        let user = parts.headers.get("x-user").and_then(|v| v.to_str().ok());
+        user.map(|u| User(u.to_owned()))
+            .ok_or(StatusCode::UNAUTHORIZED)
+    }
+}
+
+/// Keys are kept per user: another user's `order-1` is another request.
+impl Scope for User {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        self.0.as_str().into()
+    }
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    item: String,
+    quantity: i64,
+}
+
+#[derive(Serialize)]
+struct Order {
+    id: i64,
+    item: String,
+    quantity: i64,
+}
+
+/// Runs once per (user, key): the order and the recorded 201 commit together, and a
+/// retry gets that 201 back without running this again.
+#[idempotent(scope = "user", ttl = "24h", lock = "30s", required = true)]
+async fn create_order(
+    user: User,
+    mut tx: Tx<Sqlite>,
+    Json(new): Json<NewOrder>,
+) -> Result<(StatusCode, Json<Order>), StatusCode> {
+    let id = sqlx::query_scalar(
+        "INSERT INTO orders (owner, item, quantity) VALUES (?1, ?2, ?3) RETURNING id",
+    )
+    .bind(&user.0)
+    .bind(&new.item)
+    .bind(new.quantity)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+    let order = Order {
+        id,
+        item: new.item,
+        quantity: new.quantity,
+    };
+    Ok((StatusCode::CREATED, Json(order)))
+}
+
+async fn list_orders(
+    State(pool): State<SqlitePool>,
+    user: User,
+) -> Result<Json<Vec<Order>>, StatusCode> {
+    let rows: Vec<(i64, String, i64)> =
+        sqlx::query_as("SELECT id, item, quantity FROM orders WHERE owner = ?1 ORDER BY id")
+            .bind(&user.0)
+            .fetch_all(&pool)
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+    let orders = rows
+        .into_iter()
+        .map(|(id, item, quantity)| Order { id, item, quantity });
+    Ok(Json(orders.collect()))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let pool = SqlitePool::connect("sqlite://quickstart.db?mode=rwc").await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, owner TEXT NOT NULL, \
+         item TEXT NOT NULL, quantity INTEGER NOT NULL)",
+    )
+    .execute(&pool)
+    .await?;
+    let idempotency = Idempotency::new(pool.clone());
+    idempotency.migrate().await?; // the key table, created once
+    let app = Router::new()
+        .route("/orders", post(create_order).get(list_orders))
+        .with_state(AppState { idempotency, pool });
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(bind).await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}

@@ -77,12 +77,8 @@ async fn create_order(
     .fetch_one(&mut *tx)
     .await
     .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
-    let order = Order {
-        id,
-        item: new.item,
-        quantity: new.quantity,
-    };
-    Ok((StatusCode::CREATED, Json(order)))
+    let (item, quantity) = (new.item, new.quantity);
+    Ok((StatusCode::CREATED, Json(Order { id, item, quantity })))
 }
 
 async fn list_orders(
@@ -95,10 +91,8 @@ async fn list_orders(
             .fetch_all(&pool)
             .await
             .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
-    let orders = rows
-        .into_iter()
-        .map(|(id, item, quantity)| Order { id, item, quantity });
-    Ok(Json(orders.collect()))
+    let order = |(id, item, quantity)| Order { id, item, quantity };
+    Ok(Json(rows.into_iter().map(order).collect()))
 }
 
 #[tokio::main]

@@ -273,7 +273,7 @@ pub use idem_runtime::{
     DEFAULT_PROBLEM_BASE, DEFAULT_TABLE, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL,
     IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey, InvalidOptions, KeyRecord,
     MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx,
-    fingerprint,
+    fingerprint, migration_sql,
 };
 
 #[cfg(feature = "postgres")]

@@ -4,69 +4,104 @@
 //! idem list --stuck                      # claims whose lock has passed
 //! idem show --scope user-7 order-42      # one key's record in one scope
 //! idem sweep --batch 500                 # delete expired keys now
-//! idem partitions --ahead 7              # PostgreSQL, partitioned layout
+//! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
+//! idem migration postgres > migrations/20261201_idempotency_keys.sql
 //! ```
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idem_runtime::{Backend, Idempotency, KeyRecord, Sweep};
+use clap::{Parser, Subcommand, ValueEnum};
+use idem_runtime::{Backend, DEFAULT_TABLE, Idempotency, KeyRecord, Sweep, migration_sql};
 use sqlx::{MySql, Pool, Postgres, Sqlite};
 
-const USAGE: &str = "\
-idem: the operator's view of an idempotency-key table
+/// The operator's view of an idempotency-key table.
+#[derive(Parser)]
+#[command(name = "idem", version)]
+struct Cli {
+    /// postgres://, mysql:// or sqlite://
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// The key table.
+    #[arg(long, default_value = DEFAULT_TABLE, global = true)]
+    table: String,
+    /// The table uses PostgreSQL's layout partitioned by day.
+    #[arg(long, global = true)]
+    partitioned: bool,
+    #[command(subcommand)]
+    command: Command,
+}
 
-usage: idem [--database-url URL] [--table NAME] [--partitioned] <command> [options]
+#[derive(Subcommand)]
+enum Command {
+    /// Claims in flight (processing), oldest first.
+    ///
+    /// Scope, key, method, path, age, and the time left on the lock (negative: the
+    /// lock has passed and the next retry takes the key over). On PostgreSQL and
+    /// MySQL a claim whose transaction is still open is not visible yet.
+    List {
+        /// Only claims whose lock has passed.
+        #[arg(long)]
+        stuck: bool,
+        /// Only this scope.
+        #[arg(long)]
+        scope: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// One key's record in one scope.
+    ///
+    /// State, request, status, times, stored headers and body. Another scope's
+    /// record is never shown: if other scopes hold the same key, they are only named.
+    Show {
+        /// The scope the key belongs to.
+        #[arg(long)]
+        scope: String,
+        /// The Idempotency-Key.
+        key: String,
+    },
+    /// Delete expired keys now.
+    ///
+    /// Completed keys whose ttl has passed go in batches; claims in flight are
+    /// never deleted.
+    Sweep {
+        /// Rows a batch deletes.
+        #[arg(long, default_value_t = 500)]
+        batch: u32,
+        /// Seconds the whole sweep may take.
+        #[arg(long, default_value_t = 60)]
+        budget: u64,
+        /// Milliseconds between batches.
+        #[arg(long, default_value_t = 0)]
+        pause: u64,
+    },
+    /// Create the days ahead and drop ended days (PostgreSQL, partitioned layout).
+    ///
+    /// Creates the day partitions for today and the next days and drops every day
+    /// partition whose day has ended. Needs `--partitioned`.
+    Partitions {
+        /// Days to create ahead of today.
+        #[arg(long, default_value_t = 7)]
+        ahead: u32,
+    },
+    /// Print the key table's SQL, for a migration of your own tool.
+    ///
+    /// The table and every upgrade since, in order, for `--table` (and
+    /// `--partitioned` on PostgreSQL). Needs no database.
+    Migration {
+        /// The database the SQL is for.
+        backend: BackendName,
+    },
+}
 
-commands:
-  list         claims in flight (processing), oldest first
-  show         one key's record in one scope
-  sweep        delete expired keys now
-  partitions   create the days ahead and drop ended days (PostgreSQL, partitioned layout)
-
-global options:
-  --database-url URL   postgres://, mysql:// or sqlite:// (default: $DATABASE_URL)
-  --table NAME         the key table (default: idempotency_keys)
-  --partitioned        the table uses the PostgreSQL layout partitioned by day
-  -h, --help           this text; `idem <command> --help` for a command's
-";
-
-const LIST: &str = "\
-usage: idem list [--stuck] [--scope SCOPE] [--limit N]
-
-Lists claims in flight (processing rows), oldest first: scope, key, method, path,
-age, and the time left on the lock (negative: the lock has passed and the next
-retry takes the key over). On PostgreSQL and MySQL a claim whose transaction is
-still open is not visible yet.
-
-  --stuck          only claims whose lock has passed
-  --scope SCOPE    only this scope
-  --limit N        at most N rows (default 50)
-";
-
-const SHOW: &str = "\
-usage: idem show --scope SCOPE KEY
-
-Shows what SCOPE holds under KEY: state, request, status, times, stored headers
-and body. Another scope's record is never shown: if other scopes hold the same
-key, they are only named.
-";
-
-const SWEEP: &str = "\
-usage: idem sweep [--batch N] [--budget SECONDS] [--pause MS]
-
-Deletes completed keys whose ttl has passed, in batches (default 500 rows, for at
-most 60 seconds). Claims in flight are never deleted.
-";
-
-const PARTITIONS: &str = "\
-usage: idem --partitioned partitions [--ahead DAYS]
-
-Creates the day partitions for today and the next DAYS days (default 7) and drops
-every day partition whose day has ended. PostgreSQL tables of the partitioned
-layout only.
-";
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendName {
+    Postgres,
+    Mysql,
+    Sqlite,
+}
 
 /// A failure worth a message and exit status 2.
 struct Fail(String);
@@ -77,14 +112,8 @@ impl<E: std::fmt::Display> From<E> for Fail {
     }
 }
 
-struct Global {
-    url: Option<String>,
-    table: String,
-    partitioned: bool,
-}
-
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -95,7 +124,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(run(args)) {
+    match runtime.block_on(run(cli)) {
         Ok(output) => {
             print!("{output}");
             ExitCode::SUCCESS
@@ -107,65 +136,54 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Vec<String>) -> Result<String, Fail> {
-    let mut global = Global {
-        url: std::env::var("DATABASE_URL").ok(),
-        table: idem_runtime::DEFAULT_TABLE.to_owned(),
-        partitioned: false,
-    };
-    let mut rest = args.into_iter();
-    let command = loop {
-        match rest.next().as_deref() {
-            None | Some("-h" | "--help" | "help") => return Ok(USAGE.to_owned()),
-            Some("--database-url") => global.url = Some(value(&mut rest, "--database-url")?),
-            Some("--table") => global.table = value(&mut rest, "--table")?,
-            Some("--partitioned") => global.partitioned = true,
-            Some(other) if other.starts_with('-') => {
-                return Err(Fail(format!("unknown option {other}\n\n{USAGE}")));
+async fn run(cli: Cli) -> Result<String, Fail> {
+    let Cli {
+        database_url,
+        table,
+        partitioned,
+        command,
+    } = cli;
+    if let Command::Migration { backend } = command {
+        let sql = match backend {
+            BackendName::Postgres => migration_sql::<Postgres>(&table, partitioned),
+            BackendName::Mysql if partitioned => {
+                return Err(Fail("only PostgreSQL has the partitioned layout".into()));
             }
-            Some(command) => break command.to_owned(),
-        }
-    };
-    let args: Vec<String> = rest.collect();
-    let help = match command.as_str() {
-        "list" => LIST,
-        "show" => SHOW,
-        "sweep" => SWEEP,
-        "partitions" => PARTITIONS,
-        other => return Err(Fail(format!("unknown command {other}\n\n{USAGE}"))),
-    };
-    if args.iter().any(|a| a == "-h" || a == "--help") {
-        return Ok(help.to_owned());
+            BackendName::Mysql => migration_sql::<MySql>(&table, false),
+            BackendName::Sqlite if partitioned => {
+                return Err(Fail("only PostgreSQL has the partitioned layout".into()));
+            }
+            BackendName::Sqlite => migration_sql::<Sqlite>(&table, false),
+        };
+        return Ok(format!("{}\n", sql.trim_end()));
     }
-    let url = global
-        .url
-        .clone()
+    let url = database_url
         .ok_or_else(|| Fail("no database: pass --database-url or set DATABASE_URL".into()))?;
     if url.starts_with("postgres:") || url.starts_with("postgresql:") {
         let pool = Pool::<Postgres>::connect(&url).await?;
-        let mut builder = Idempotency::builder(pool).table(&global.table);
-        if global.partitioned {
+        let mut builder = Idempotency::builder(pool).table(&table);
+        if partitioned {
             builder = builder.partitioned_by_day();
         }
         let store = builder.build()?;
-        if command == "partitions" {
-            if !global.partitioned {
+        if let Command::Partitions { ahead } = command {
+            if !partitioned {
                 return Err(Fail(
                     "partitions work on tables of the partitioned layout: pass --partitioned"
                         .into(),
                 ));
             }
-            return partitions(&store, &args, help).await;
+            return partitions(&store, ahead).await;
         }
-        dispatch(&store, &command, &args, help).await
+        dispatch(&store, command).await
     } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
         let pool = Pool::<MySql>::connect(&url.replacen("mariadb:", "mysql:", 1)).await?;
-        let store = Idempotency::builder(pool).table(&global.table).build()?;
-        dispatch(&store, &command, &args, help).await
+        let store = Idempotency::builder(pool).table(&table).build()?;
+        dispatch(&store, command).await
     } else if url.starts_with("sqlite:") {
         let pool = Pool::<Sqlite>::connect(&url).await?;
-        let store = Idempotency::builder(pool).table(&global.table).build()?;
-        dispatch(&store, &command, &args, help).await
+        let store = Idempotency::builder(pool).table(&table).build()?;
+        dispatch(&store, command).await
     } else {
         Err(Fail(format!(
             "unsupported database URL {url}: postgres://, mysql:// or sqlite://"
@@ -173,49 +191,39 @@ async fn run(args: Vec<String>) -> Result<String, Fail> {
     }
 }
 
-fn value(args: &mut impl Iterator<Item = String>, option: &str) -> Result<String, Fail> {
-    args.next()
-        .ok_or_else(|| Fail(format!("{option} needs a value")))
-}
-
-fn number(args: &mut impl Iterator<Item = String>, option: &str) -> Result<u64, Fail> {
-    let text = value(args, option)?;
-    text.parse()
-        .map_err(|_| Fail(format!("{option} takes a whole number, not {text:?}")))
-}
-
-async fn dispatch<DB: Backend>(
-    store: &Idempotency<DB>,
-    command: &str,
-    args: &[String],
-    help: &str,
-) -> Result<String, Fail> {
+async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Result<String, Fail> {
     match command {
-        "list" => list(store, args, help).await,
-        "show" => show(store, args, help).await,
-        "sweep" => sweep(store, args, help).await,
-        _ => Err(Fail(
+        Command::List {
+            stuck,
+            scope,
+            limit,
+        } => list(store, stuck, scope.as_deref(), limit).await,
+        Command::Show { scope, key } => show(store, &scope, &key).await,
+        Command::Sweep {
+            batch,
+            budget,
+            pause,
+        } => {
+            let settings = Sweep::new()
+                .batch(batch)
+                .budget(Duration::from_secs(budget))
+                .pause(Duration::from_millis(pause));
+            sweep(store, settings).await
+        }
+        Command::Partitions { .. } => Err(Fail(
             "partitions need a PostgreSQL table of the partitioned layout".into(),
         )),
+        Command::Migration { .. } => Err(Fail("migration needs no database".into())),
     }
 }
 
 async fn list<DB: Backend>(
     store: &Idempotency<DB>,
-    args: &[String],
-    help: &str,
+    stuck: bool,
+    scope: Option<&str>,
+    limit: u32,
 ) -> Result<String, Fail> {
-    let (mut stuck, mut scope, mut limit) = (false, None, 50);
-    let mut args = args.iter().cloned();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--stuck" => stuck = true,
-            "--scope" => scope = Some(value(&mut args, "--scope")?),
-            "--limit" => limit = u32::try_from(number(&mut args, "--limit")?).unwrap_or(u32::MAX),
-            other => return Err(Fail(format!("unexpected {other}\n\n{help}"))),
-        }
-    }
-    let claims = store.claims(scope.as_deref(), stuck, limit).await?;
+    let claims = store.claims(scope, stuck, limit).await?;
     let mut out = String::new();
     if claims.is_empty() {
         out.push_str(if stuck {
@@ -248,29 +256,17 @@ async fn list<DB: Backend>(
 
 async fn show<DB: Backend>(
     store: &Idempotency<DB>,
-    args: &[String],
-    help: &str,
+    scope: &str,
+    key: &str,
 ) -> Result<String, Fail> {
-    let (mut scope, mut key) = (None, None);
-    let mut args = args.iter().cloned();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--scope" => scope = Some(value(&mut args, "--scope")?),
-            other if !other.starts_with('-') && key.is_none() => key = Some(other.to_owned()),
-            other => return Err(Fail(format!("unexpected {other}\n\n{help}"))),
-        }
-    }
-    let (Some(scope), Some(key)) = (scope, key) else {
-        return Err(Fail(format!("show needs --scope and a key\n\n{help}")));
-    };
     let mut out = String::new();
-    match store.inspect(&scope, &key).await? {
+    match store.inspect(scope, key).await? {
         Some(record) => describe(&mut out, &record),
         None => {
             let _ = writeln!(out, "scope {scope:?} holds no key {key:?}");
         }
     }
-    let others = store.other_scopes(&scope, &key).await?;
+    let others = store.other_scopes(scope, key).await?;
     if !others.is_empty() {
         let _ = writeln!(
             out,
@@ -314,28 +310,7 @@ fn describe(out: &mut String, record: &KeyRecord) {
     }
 }
 
-async fn sweep<DB: Backend>(
-    store: &Idempotency<DB>,
-    args: &[String],
-    help: &str,
-) -> Result<String, Fail> {
-    let mut settings = Sweep::new().budget(Duration::from_secs(60));
-    let mut args = args.iter().cloned();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--batch" => {
-                let rows = number(&mut args, "--batch")?;
-                settings = settings.batch(u32::try_from(rows).unwrap_or(u32::MAX));
-            }
-            "--budget" => {
-                settings = settings.budget(Duration::from_secs(number(&mut args, "--budget")?))
-            }
-            "--pause" => {
-                settings = settings.pause(Duration::from_millis(number(&mut args, "--pause")?))
-            }
-            other => return Err(Fail(format!("unexpected {other}\n\n{help}"))),
-        }
-    }
+async fn sweep<DB: Backend>(store: &Idempotency<DB>, settings: Sweep) -> Result<String, Fail> {
     let report = store.sweep(settings).await?;
     Ok(format!(
         "deleted {} expired keys in {} batches, {:.1} s{}\n",
@@ -350,19 +325,7 @@ async fn sweep<DB: Backend>(
     ))
 }
 
-async fn partitions(
-    store: &Idempotency<Postgres>,
-    args: &[String],
-    help: &str,
-) -> Result<String, Fail> {
-    let mut ahead = 7;
-    let mut args = args.iter().cloned();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--ahead" => ahead = u32::try_from(number(&mut args, "--ahead")?).unwrap_or(u32::MAX),
-            other => return Err(Fail(format!("unexpected {other}\n\n{help}"))),
-        }
-    }
+async fn partitions(store: &Idempotency<Postgres>, ahead: u32) -> Result<String, Fail> {
     let changed = store.maintain_partitions(ahead).await?;
     let mut out = String::new();
     for name in &changed.created {

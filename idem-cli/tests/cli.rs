@@ -87,11 +87,15 @@ async fn operator_commands_on_sqlite() {
 
     let help = idem(&url, &["--help"]);
     assert_eq!(help.code, 0);
-    assert!(help.stdout.contains("commands:"), "{}", help.stdout);
-    for command in ["list", "show", "sweep", "partitions"] {
+    assert!(help.stdout.contains("Commands:"), "{}", help.stdout);
+    for command in ["list", "show", "sweep", "partitions", "migration"] {
         let help = idem(&url, &[command, "--help"]);
         assert_eq!(help.code, 0);
-        assert!(help.stdout.contains("usage: idem"), "{command}");
+        assert!(
+            help.stdout.contains(&format!("Usage: idem {command}")),
+            "{command}: {}",
+            help.stdout
+        );
     }
 
     let list = idem(&url, &["list"]);
@@ -148,10 +152,76 @@ async fn operator_commands_on_sqlite() {
     );
     let unknown = idem(&url, &["lsit"]);
     assert_eq!(unknown.code, 2);
-    assert!(unknown.stderr.contains("unknown command lsit"));
+    assert!(
+        unknown.stderr.contains("unrecognized subcommand 'lsit'")
+            && unknown.stderr.contains("list"),
+        "{}",
+        unknown.stderr
+    );
     let bad = idem(&url, &["sweep", "--batch", "many"]);
     assert_eq!(bad.code, 2);
-    assert!(bad.stderr.contains("whole number"));
+    assert!(
+        bad.stderr.contains("invalid value 'many'"),
+        "{}",
+        bad.stderr
+    );
 
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `idem migration <backend>` prints, with no database, the SQL a user's own
+/// migration tool applies; on SQLite that SQL makes a table the store uses as is.
+#[tokio::test]
+async fn migration_prints_the_table_for_a_migration_tool() {
+    let no_db = "sqlite://unused";
+    for backend in ["postgres", "mysql", "sqlite"] {
+        let printed = idem(no_db, &["--table", "api_keys", "migration", backend]);
+        assert_eq!(printed.code, 0, "{backend}: {}", printed.stderr);
+        assert!(
+            printed
+                .stdout
+                .contains("CREATE TABLE IF NOT EXISTS api_keys")
+                && !printed.stdout.contains("idempotency_keys"),
+            "{backend}: {}",
+            printed.stdout
+        );
+    }
+    let parted = idem(no_db, &["--partitioned", "migration", "postgres"]);
+    assert!(
+        parted.stdout.contains("PARTITION BY RANGE"),
+        "{}",
+        parted.stdout
+    );
+    let refused = idem(no_db, &["--partitioned", "migration", "sqlite"]);
+    assert_eq!(refused.code, 2);
+    let unknown = idem(no_db, &["migration", "oracle"]);
+    assert_eq!(unknown.code, 2);
+
+    let dir = std::env::temp_dir().join(format!("idem_cli_migration_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let options = SqliteConnectOptions::new()
+        .filename(dir.join("app.db"))
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(options)
+        .await
+        .expect("sqlite");
+    let sql = idem(no_db, &["--table", "api_keys", "migration", "sqlite"]).stdout;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&pool)
+        .await
+        .expect("the printed SQL applies");
+    let store = Idempotency::builder(pool.clone())
+        .table("api_keys")
+        .build()
+        .expect("store");
+    store.migrate().await.expect("nothing left to migrate");
+    assert!(
+        store
+            .claims(None, false, 10)
+            .await
+            .expect("claims")
+            .is_empty()
+    );
+    pool.close().await;
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -43,7 +43,7 @@ pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
-    DEFAULT_TABLE, Idempotency,
+    DEFAULT_TABLE, Idempotency, migration_sql,
 };
 pub use sweep::{Sweep, SweepReport};
 pub use tx::Tx;

@@ -157,23 +157,12 @@ impl<DB: Backend> Idempotency<DB> {
     /// # }
     /// ```
     pub fn migration_sql(&self) -> String {
-        self.migrations()
-            .into_iter()
-            .map(|(sql, _)| sql)
-            .collect::<Vec<_>>()
-            .join("\n")
+        migration_sql::<DB>(&self.inner.table, self.inner.partitioned)
     }
 
     /// This store's migrations, in order, for its table.
     fn migrations(&self) -> Vec<(String, Applied)> {
-        let migrations = match DB::IDEM_PARTITIONED_MIGRATIONS {
-            Some(partitioned) if self.inner.partitioned => partitioned,
-            _ => DB::IDEM_MIGRATIONS,
-        };
-        migrations
-            .iter()
-            .map(|m| (m.sql.replace(DEFAULT_TABLE, &self.inner.table), m.applied))
-            .collect()
+        migrations::<DB>(&self.inner.table, self.inner.partitioned)
     }
 
     /// Whether the table uses the partitioned layout.
@@ -377,3 +366,37 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+/// The SQL that creates the key table `table` on backend `DB` and applies every
+/// upgrade since (`partitioned`: PostgreSQL's layout partitioned by day), with no
+/// database at hand: for a migration of your own tool. The `idem migration`
+/// command prints it.
+///
+/// # Examples
+///
+/// ```rust
+/// # #[cfg(feature = "postgres")]
+/// # {
+/// let sql = idem_runtime::migration_sql::<sqlx::Postgres>("api_keys", false);
+/// assert!(sql.contains("CREATE TABLE IF NOT EXISTS api_keys"));
+/// # }
+/// ```
+pub fn migration_sql<DB: Backend>(table: &str, partitioned: bool) -> String {
+    migrations::<DB>(table, partitioned)
+        .into_iter()
+        .map(|(sql, _)| sql)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The backend's migrations, in order, for `table`.
+fn migrations<DB: Backend>(table: &str, partitioned: bool) -> Vec<(String, Applied)> {
+    let migrations = match DB::IDEM_PARTITIONED_MIGRATIONS {
+        Some(layout) if partitioned => layout,
+        _ => DB::IDEM_MIGRATIONS,
+    };
+    migrations
+        .iter()
+        .map(|m| (m.sql.replace(DEFAULT_TABLE, table), m.applied))
+        .collect()
+}

@@ -89,6 +89,7 @@
 //! | `mysql` | the MySQL / MariaDB backend |
 //! | `sqlite` | the SQLite backend |
 //! | `client` | `idem::client`, the retrying tower layer for callers |
+//! | `reqwest` | `idem::client::reqwest`, the same retries as `reqwest-middleware` middleware |
 //!
 //! ```toml
 //! [dependencies]
@@ -125,7 +126,9 @@
 //!   so replays repeat it byte for byte.
 //! - The client side: with feature `client`, `idem::client::RetryLayer` wraps any tower
 //!   HTTP client so that each logical request gets one key for all its attempts and
-//!   is retried on connection errors, 409 and 5xx, never on other 4xx.
+//!   is retried on connection errors, 409 and 5xx, never on other 4xx; with feature
+//!   `reqwest`, `idem::client::reqwest::RetryMiddleware` does the same for a
+//!   `reqwest-middleware` client.
 //!
 //! # Using it by hand
 //!

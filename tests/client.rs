@@ -417,3 +417,102 @@ async fn each_logical_request_gets_its_own_key() {
     assert!(!two.receipt.replayed());
     assert_eq!(server.payments().await, 2);
 }
+
+/// The same policy as `reqwest-middleware` middleware (feature `reqwest`).
+#[cfg(feature = "reqwest")]
+mod reqwest_client {
+    use super::*;
+    use idem::client::reqwest::RetryMiddleware;
+    use idem::client::reqwest::reqwest_middleware::{ClientBuilder, ClientWithMiddleware, reqwest};
+
+    fn client() -> ClientWithMiddleware {
+        ClientBuilder::new(reqwest::Client::new())
+            .with(RetryMiddleware::new(quick()))
+            .build()
+    }
+
+    async fn post(client: &ClientWithMiddleware, addr: &str, path: &str, body: &str) -> Answer {
+        let response = client
+            .post(format!("http://{addr}{path}"))
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("an answer within the attempts");
+        let receipt = response
+            .extensions()
+            .get::<Receipt>()
+            .cloned()
+            .expect("a receipt");
+        let status = response.status().as_u16();
+        let body = response.bytes().await.expect("body");
+        Answer {
+            status,
+            body,
+            receipt,
+        }
+    }
+
+    /// 5xx twice, then the write: one key for all three attempts, one payment.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reqwest_retries_server_errors_with_the_same_key() {
+        let server = Server::new().await;
+        let (listener, addr) = listen().await;
+        server.serve(listener);
+        server.app.fail.store(2, Ordering::SeqCst);
+        let answer = post(&client(), &addr, "/pay", "b").await;
+        assert_eq!(answer.status, 201);
+        assert_eq!(answer.receipt.attempts(), 3);
+        assert!(answer.receipt.key().is_some_and(|k| k.len() == 34));
+        assert_eq!(server.payments().await, 1);
+        let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(&server.pool)
+            .await
+            .expect("count keys");
+        assert_eq!(keys, 1, "one key across all attempts");
+    }
+
+    /// A committed payment whose answer was lost comes back as a replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reqwest_recovers_a_lost_response_as_a_replay() {
+        let server = Server::new().await;
+        let (listener, addr) = listen().await;
+        server.serve(listener);
+        server.app.lose.store(1, Ordering::SeqCst);
+        let answer = post(&client(), &addr, "/pay", "c").await;
+        assert_eq!(answer.status, 201);
+        assert_eq!(answer.receipt.attempts(), 2);
+        assert!(answer.receipt.replayed());
+        assert_eq!(server.payments().await, 1);
+    }
+
+    /// Nobody listens at first: connection errors are retried until a server
+    /// accepts; a 4xx is final.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reqwest_retries_connection_errors_but_never_other_4xx() {
+        let server = Server::new().await;
+        let (listener, addr) = listen().await;
+        drop(listener);
+        let router = server.router();
+        let late = {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                let listener = tokio::net::TcpListener::bind(&addr).await.expect("rebind");
+                axum::serve(listener, router).await
+            })
+        };
+        let policy = quick()
+            .max_attempts(30)
+            .max_backoff(Duration::from_millis(50));
+        let patient = ClientBuilder::new(reqwest::Client::new())
+            .with(RetryMiddleware::new(policy))
+            .build();
+        let answer = post(&patient, &addr, "/pay", "d").await;
+        assert_eq!(answer.status, 201);
+        assert!(answer.receipt.attempts() > 1, "{:?}", answer.receipt);
+        assert_eq!(server.payments().await, 1);
+        let missing = post(&client(), &addr, "/nowhere", "e").await;
+        assert_eq!((missing.status, missing.receipt.attempts()), (404, 1));
+        late.abort();
+    }
+}

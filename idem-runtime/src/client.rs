@@ -15,6 +15,8 @@
 //! answers are final and, from an idem server, recorded. The [`Receipt`] on the
 //! final response says which key was used, how many attempts it took, and whether
 //! the answer was a replay of an earlier attempt's (`Idempotent-Replayed: true`).
+//! With feature `reqwest`, [`reqwest::RetryMiddleware`] does the same for a
+//! `reqwest-middleware` client.
 //!
 //! # Examples
 //!
@@ -50,13 +52,16 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::engine::random_u64;
 use crate::key::IDEMPOTENCY_KEY;
 use crate::record::IDEMPOTENT_REPLAYED;
+
+#[cfg(feature = "reqwest")]
+pub mod reqwest;
 
 /// When and how often [`Retry`] sends a request again.
 ///
@@ -262,16 +267,20 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let policy = self.policy;
-        let key = key_for(&mut request);
+        let method = request.method().clone();
+        let key = key_for(&method, request.headers_mut());
         Box::pin(async move {
             let mut attempts = 1;
             let mut sent = inner.call(copy(&request)).await;
             loop {
                 let pause = match &sent {
-                    Ok(response) => match pause_after(response, attempts, &policy) {
-                        Some(pause) => pause,
-                        None => break,
-                    },
+                    Ok(response) => {
+                        match pause_after(response.status(), response.headers(), attempts, &policy)
+                        {
+                            Some(pause) => pause,
+                            None => break,
+                        }
+                    }
                     Err(_) => policy.backoff(attempts),
                 };
                 if attempts >= policy.max_attempts {
@@ -285,44 +294,55 @@ where
                 };
             }
             sent.map(|mut response| {
-                let replayed = response
-                    .headers()
-                    .get(IDEMPOTENT_REPLAYED)
-                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
-                response.extensions_mut().insert(Receipt {
-                    key,
-                    attempts,
-                    replayed,
-                });
+                let receipt = Receipt::of(key, attempts, response.headers());
+                response.extensions_mut().insert(receipt);
                 response
             })
         })
     }
 }
 
+impl Receipt {
+    /// What the final answer, with `headers`, says after `attempts` under `key`.
+    fn of(key: Option<HeaderValue>, attempts: u32, headers: &HeaderMap) -> Self {
+        let replayed = headers
+            .get(IDEMPOTENT_REPLAYED)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+        Self {
+            key,
+            attempts,
+            replayed,
+        }
+    }
+}
+
 /// The request's key, after giving a non-idempotent request without one a fresh
 /// key: 128 random bits, sent as a structured-field string as the IETF draft has it.
-fn key_for<B>(request: &mut Request<B>) -> Option<HeaderValue> {
-    if let Some(key) = request.headers().get(IDEMPOTENCY_KEY) {
+fn key_for(method: &Method, headers: &mut HeaderMap) -> Option<HeaderValue> {
+    if let Some(key) = headers.get(IDEMPOTENCY_KEY) {
         return Some(key.clone());
     }
-    if !matches!(*request.method(), Method::POST | Method::PATCH) {
+    if !matches!(*method, Method::POST | Method::PATCH) {
         return None;
     }
     let key = format!("\"{:016x}{:016x}\"", random_u64(), random_u64());
     let value = HeaderValue::try_from(key).ok()?;
-    request.headers_mut().insert(IDEMPOTENCY_KEY, value.clone());
+    headers.insert(IDEMPOTENCY_KEY, value.clone());
     Some(value)
 }
 
-/// The pause before sending again after `response`, or `None` to return it.
-fn pause_after<R>(response: &Response<R>, attempts: u32, policy: &RetryPolicy) -> Option<Duration> {
-    let status = response.status();
+/// The pause before sending again after an answer of `status` with `headers`, or
+/// `None` to return it.
+fn pause_after(
+    status: StatusCode,
+    headers: &HeaderMap,
+    attempts: u32,
+    policy: &RetryPolicy,
+) -> Option<Duration> {
     if status != StatusCode::CONFLICT && !status.is_server_error() {
         return None;
     }
-    let asked = response
-        .headers()
+    let asked = headers
         .get(header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
@@ -368,6 +388,14 @@ mod tests {
         assert!(spread.iter().any(|d| *d > Duration::from_millis(175)));
     }
 
+    fn pause_after_answer(
+        answer: &Response<()>,
+        attempts: u32,
+        policy: &RetryPolicy,
+    ) -> Option<Duration> {
+        pause_after(answer.status(), answer.headers(), attempts, policy)
+    }
+
     fn answer(status: u16, retry_after: Option<&str>) -> Response<()> {
         let mut response = Response::new(());
         *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::IM_A_TEAPOT);
@@ -385,14 +413,14 @@ mod tests {
         let policy = RetryPolicy::new().base_delay(Duration::from_millis(10));
         for final_status in [200, 201, 204, 302, 400, 401, 402, 404, 413, 422, 429] {
             assert_eq!(
-                pause_after(&answer(final_status, None), 1, &policy),
+                pause_after_answer(&answer(final_status, None), 1, &policy),
                 None,
                 "{final_status}"
             );
         }
         for retried in [409, 500, 502, 503, 504] {
             assert!(
-                pause_after(&answer(retried, None), 1, &policy).is_some(),
+                pause_after_answer(&answer(retried, None), 1, &policy).is_some(),
                 "{retried}"
             );
         }
@@ -404,30 +432,38 @@ mod tests {
             .base_delay(Duration::from_millis(10))
             .max_delay(Duration::from_secs(5));
         assert_eq!(
-            pause_after(&answer(409, Some("3")), 1, &policy),
+            pause_after_answer(&answer(409, Some("3")), 1, &policy),
             Some(Duration::from_secs(3))
         );
-        assert_eq!(pause_after(&answer(409, Some("6")), 1, &policy), None);
+        assert_eq!(
+            pause_after_answer(&answer(409, Some("6")), 1, &policy),
+            None
+        );
         // Unparseable (an HTTP date, say): the backoff alone.
-        let pause = pause_after(&answer(503, Some("soon")), 1, &policy);
+        let pause = pause_after_answer(&answer(503, Some("soon")), 1, &policy);
         assert!(pause.is_some_and(|p| p <= Duration::from_millis(10)));
+    }
+
+    fn key_of<B>(request: &mut Request<B>) -> Option<HeaderValue> {
+        let method = request.method().clone();
+        key_for(&method, request.headers_mut())
     }
 
     #[test]
     fn keys_are_generated_for_post_and_patch_only_and_kept() {
         let mut post = Request::post("/p").body(()).unwrap_or_default();
-        let key = key_for(&mut post).expect("a key for POST");
+        let key = key_of(&mut post).expect("a key for POST");
         let text = key.to_str().unwrap_or_default().to_owned();
         assert_eq!(text.len(), 34, "{text}");
         assert!(text.starts_with('"') && text.ends_with('"'));
         assert!(crate::IdempotencyKey::parse(key.as_bytes()).is_ok());
         assert_eq!(post.headers().get(IDEMPOTENCY_KEY), Some(&key));
-        assert_eq!(key_for(&mut post), Some(key.clone()), "kept, not replaced");
+        assert_eq!(key_of(&mut post), Some(key.clone()), "kept, not replaced");
 
         let mut other = Request::post("/p").body(()).unwrap_or_default();
-        assert_ne!(key_for(&mut other), Some(key), "a key per logical request");
+        assert_ne!(key_of(&mut other), Some(key), "a key per logical request");
         let mut get = Request::get("/p").body(()).unwrap_or_default();
-        assert_eq!(key_for(&mut get), None);
+        assert_eq!(key_of(&mut get), None);
         assert!(get.headers().get(IDEMPOTENCY_KEY).is_none());
     }
 }

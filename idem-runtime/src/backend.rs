@@ -8,9 +8,9 @@
 //! three do; this list is what that took for them.
 //!
 //! 1. A module `<name>.rs` behind a cargo feature `<name>` (in `idem-runtime` and
-//!    the `idem` facade), implementing [`sealed::Store`]. All of its SQL lives in
+//!    the `idem` facade), implementing [`sealed::Driver`]. All of its SQL lives in
 //!    that module, built once per store in `IdemSql`.
-//! 2. `migrations/<name>/0001_*.sql`, and `IDEM_MIGRATIONS` naming how `migrate()`
+//! 2. `migrations/<name>/0001_*.sql`, and `idem_migrations` naming how `migrate()`
 //!    tells each file is in place ([`Applied`]); an upgrade is a new file, never an
 //!    edit of a shipped one.
 //! 3. A claim of which exactly one of many concurrent requests wins, with the
@@ -43,9 +43,9 @@ use sqlx::{Database, Transaction};
 /// and what each needs from its configuration in `docs/deployment.md`.
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API.
-pub trait Backend: Database + sealed::Store {}
+pub trait Backend: Database + sealed::Driver {}
 
-impl<DB: Database + sealed::Store> Backend for DB {}
+impl<DB: Database + sealed::Driver> Backend for DB {}
 
 /// The request identity the engine hands to a backend.
 #[derive(Debug)]
@@ -216,7 +216,7 @@ impl<DB: Database> Opened<'_, DB> {
 
 /// Reads (scope, key) outside any transaction, and claims it only if absent: one
 /// round trip for a key that is stored, an extra one for a new key.
-pub(crate) async fn look_then_claim<'c, DB: sealed::Store>(
+pub(crate) async fn look_then_claim<'c, DB: sealed::Driver>(
     conn: &'c mut DB::Connection,
     sql: &'c DB::IdemSql,
     id: &'c Identity<'c>,
@@ -273,8 +273,10 @@ pub struct Recorded<'a> {
 pub mod sealed {
     use super::*;
 
-    /// The SQL of one backend for one table; built once per store.
-    pub trait Store: Database {
+    /// What the engine needs of one database: its SQL for a table (built once per
+    /// store) and the statements it runs. Every backend's choices live in its own
+    /// module; the engine sees only these.
+    pub trait Driver: Database {
         /// Prepared statement texts for `table`.
         #[doc(hidden)]
         type IdemSql: Send + Sync + 'static;
@@ -283,13 +285,10 @@ pub mod sealed {
         #[doc(hidden)]
         fn idem_sql(table: &str, layout: Layout) -> Self::IdemSql;
 
-        /// The backend's migrations in order, for the default table name.
+        /// The backend's migrations in order, for the default table name, in
+        /// `layout`.
         #[doc(hidden)]
-        const IDEM_MIGRATIONS: &'static [Migration];
-
-        /// The partitioned layout's, where the backend has one.
-        #[doc(hidden)]
-        const IDEM_PARTITIONED_MIGRATIONS: Option<&'static [Migration]> = None;
+        fn idem_migrations(layout: Layout) -> &'static [Migration];
 
         /// Applies the migrations `table` lacks under a lock, so instances starting
         /// together agree; `scripts` are [`Migration::sql`] for this table.
@@ -319,27 +318,15 @@ pub mod sealed {
         ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
 
         /// Claims (scope, key) if it is free (`claim.replace` is `false`), else
-        /// reports what is stored. `read_first`: the key is probably stored, so a
-        /// backend that can claim in the statement that reads should not, since that
-        /// needs a transaction a replay does not. By default [`look_then_claim`].
+        /// reports what is stored. By default [`look_then_claim`].
         #[doc(hidden)]
         fn idem_open<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             claim: Claim,
-            read_first: bool,
         ) -> impl Future<Output = Result<Opened<'c, Self>, sqlx::Error>> + Send + 'c {
-            let _ = read_first;
             look_then_claim(conn, sql, id, claim)
-        }
-
-        /// Whether [`idem_open`](Self::idem_open) heeds `read_first` with this SQL:
-        /// the engine keeps its table of keys seen lately only then.
-        #[doc(hidden)]
-        fn idem_heeds_read_first(sql: &Self::IdemSql) -> bool {
-            let _ = sql;
-            false
         }
 
         /// Repairs, if it can, what made a claim fail with `error`; `true` when the
@@ -425,7 +412,169 @@ pub mod sealed {
         fn idem_inspect<'c>(
             conn: &'c mut Self::Connection,
             table: &'c str,
-            query: &'c crate::admin::Query<'c>,
-        ) -> impl Future<Output = Result<Vec<crate::admin::KeyRecord>, sqlx::Error>> + Send + 'c;
+            query: &'c Query<'c>,
+        ) -> impl Future<Output = Result<Vec<KeyRecord>, sqlx::Error>> + Send + 'c;
+    }
+}
+
+/// One stored key, as an operator sees it. Times are relative to the database
+/// clock at the moment of the query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyRecord {
+    /// The scope the key belongs to.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// `processing` (claimed) or `completed` (response stored).
+    pub state: String,
+    /// Method of the request that claimed it.
+    pub method: String,
+    /// Path and query of the request that claimed it.
+    pub path: String,
+    /// The stored status, once completed.
+    pub status: Option<i32>,
+    /// Milliseconds until the claim's lock passes; negative once it has.
+    pub lock_left_ms: i64,
+    /// Milliseconds until the key expires; negative once it has.
+    pub expires_in_ms: i64,
+    /// Milliseconds since it was claimed.
+    pub age_ms: i64,
+    /// The stored headers (`name: value` lines), once completed.
+    pub headers: Vec<u8>,
+    /// The stored body, once completed.
+    pub body: Vec<u8>,
+}
+
+impl KeyRecord {
+    /// A `processing` row whose lock has passed: its executor is gone or hung, and
+    /// the next retry takes it over.
+    pub fn is_stuck(&self) -> bool {
+        self.state == "processing" && self.lock_left_ms <= 0
+    }
+}
+
+/// What to look up; built by `Idempotency::claims` and `Idempotency::inspect`.
+#[doc(hidden)]
+#[derive(Debug)]
+#[allow(unreachable_pub)]
+pub enum Query<'a> {
+    /// `processing` rows, oldest first.
+    Claims {
+        scope: Option<&'a str>,
+        stuck_only: bool,
+        limit: u32,
+    },
+    /// One (scope, key).
+    Key { scope: &'a str, key: &'a str },
+    /// The scopes other than `scope` holding `key` (up to 100).
+    OtherScopes { scope: &'a str, key: &'a str },
+}
+
+/// Runs a backend's inspection query with its text parameters and decodes the rows.
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn fetch<DB>(
+    conn: &mut DB::Connection,
+    sql: String,
+    params: Vec<&str>,
+) -> Result<Vec<KeyRecord>, sqlx::Error>
+where
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    // Unprepared: an operator's query is rare, and must work through a pooler.
+    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false);
+    for param in params {
+        statement = statement.bind(param);
+    }
+    let rows = statement.fetch_all(conn).await?;
+    rows.iter().map(decode).collect()
+}
+
+/// Decodes the columns every backend's inspection query selects, in one shape:
+/// `scope`, `idempotency_key`, `state`, `method`, `path` as text, `status` and the
+/// three `*_ms` as 64-bit integers, `headers` and `body` as bytes (empty if none).
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+fn decode<R>(row: &R) -> Result<KeyRecord, sqlx::Error>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok(KeyRecord {
+        scope: row.try_get("scope")?,
+        key: row.try_get("idempotency_key")?,
+        state: row.try_get("state")?,
+        method: row.try_get("method")?,
+        path: row.try_get("path")?,
+        status: row
+            .try_get::<Option<i64>, _>("status")?
+            .and_then(|s| i32::try_from(s).ok()),
+        lock_left_ms: row.try_get("lock_left_ms")?,
+        expires_in_ms: row.try_get("expires_in_ms")?,
+        age_ms: row.try_get("age_ms")?,
+        headers: row.try_get("headers")?,
+        body: row.try_get("body")?,
+    })
+}
+
+impl Query<'_> {
+    /// The `WHERE` clause (with `placeholder(n)` for the n-th parameter and `now`
+    /// for the database clock), the row limit, whether stored responses are read,
+    /// and the parameters in order.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn parts(
+        &self,
+        placeholder: impl Fn(usize) -> String,
+        now: &str,
+    ) -> (String, u32, bool, Vec<&str>) {
+        match *self {
+            Query::Claims {
+                scope,
+                stuck_only,
+                limit,
+            } => {
+                let mut filter = "state = 'processing'".to_owned();
+                let mut params = Vec::new();
+                if let Some(scope) = scope {
+                    filter.push_str(&format!(" AND scope = {}", placeholder(1)));
+                    params.push(scope);
+                }
+                if stuck_only {
+                    filter.push_str(&format!(" AND locked_until <= {now}"));
+                }
+                (filter, limit, false, params)
+            }
+            Query::Key { scope, key } => (
+                format!(
+                    "scope = {} AND idempotency_key = {}",
+                    placeholder(1),
+                    placeholder(2)
+                ),
+                1,
+                true,
+                vec![scope, key],
+            ),
+            Query::OtherScopes { scope, key } => (
+                format!(
+                    "idempotency_key = {} AND scope <> {}",
+                    placeholder(1),
+                    placeholder(2)
+                ),
+                100,
+                false,
+                vec![key, scope],
+            ),
+        }
     }
 }

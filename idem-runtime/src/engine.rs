@@ -433,16 +433,9 @@ impl<DB: Backend> Idempotency<DB> {
             ttl_ms: options.ttl_millis(),
             replace: false,
         };
-        // A key this store saw lately is probably completed: read it first, outside
-        // a transaction. Any other is probably new: claimed as it is read.
-        let read_first = self
-            .inner
-            .seen
-            .as_ref()
-            .is_some_and(|seen| seen.check_in(signal));
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
-        let (tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim, read_first).await {
+        let (tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim).await {
             Ok(Opened::Claimed(tx)) => (tx, false),
             // `other` takes the whole result, so `conn` is free again below.
             other => match other.map(Opened::found) {

@@ -33,8 +33,8 @@ pub use partitions::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use admin::KeyRecord;
 pub use backend::Backend;
+pub use backend::KeyRecord;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity, fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use options::{InvalidOptions, Options};

@@ -8,8 +8,10 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 
-use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
+use crate::backend::{
+    Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
+};
+use crate::backend::{KeyRecord, Query, fetch};
 use crate::key::to_hex;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
@@ -32,19 +34,21 @@ pub struct Sql {
     sweep: Arc<str>,
 }
 
-impl Store for MySql {
+impl Driver for MySql {
     type IdemSql = Sql;
 
-    const IDEM_MIGRATIONS: &'static [Migration] = &[
-        Migration {
-            sql: include_str!("../migrations/mysql/0001_idempotency_keys.sql"),
-            applied: Applied::TableExists,
-        },
-        Migration {
-            sql: include_str!("../migrations/mysql/0002_content_type_and_sizes.sql"),
-            applied: Applied::HasColumn("content_type"),
-        },
-    ];
+    fn idem_migrations(_layout: Layout) -> &'static [Migration] {
+        &[
+            Migration {
+                sql: include_str!("../migrations/mysql/0001_idempotency_keys.sql"),
+                applied: Applied::TableExists,
+            },
+            Migration {
+                sql: include_str!("../migrations/mysql/0002_content_type_and_sizes.sql"),
+                applied: Applied::HasColumn("content_type"),
+            },
+        ]
+    }
 
     fn idem_sql(table: &str, _layout: Layout) -> Sql {
         // The claim's parameters as columns of `v`, in `Claim::bind` order: for the

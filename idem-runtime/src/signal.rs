@@ -7,13 +7,12 @@
 //! announcement alone: it also looks again at growing intervals, so a missed one
 //! costs latency, never correctness.
 //!
-//! The same signals, kept per store in [`Seen`], tell the engine which keys it
-//! handled lately, so that it can guess which statement to send first.
+//! The same signals tell PostgreSQL's backend which keys its store handled lately,
+//! so that it can guess which statement to send first.
 //!
 //! [`Options::wait`]: crate::Options::wait
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -59,42 +58,6 @@ impl Signals {
     pub(crate) fn watch_once(&self) -> Option<(broadcast::WeakSender<u64>, oneshot::Receiver<()>)> {
         let stopped = self.stopped.lock().ok()?.take()?;
         Some((self.sender.downgrade(), stopped))
-    }
-}
-
-/// Slots of [`Seen`], in pairs: 256 KiB for each store that keeps one.
-const SEEN_SLOTS: usize = 1 << 15;
-
-/// The signals of keys this store handled lately, two per set, a newcomer taking
-/// either place: a hint for the order of statements only, never for an answer. A
-/// key seen before is probably completed, so it is read first, outside any
-/// transaction; an unseen one is probably new, so it is claimed in the statement
-/// that reads it. A wrong guess costs a round trip.
-pub(crate) struct Seen {
-    slots: Box<[AtomicU64]>,
-}
-
-impl Seen {
-    pub(crate) fn new() -> Self {
-        Self {
-            slots: (0..SEEN_SLOTS).map(|_| AtomicU64::new(0)).collect(),
-        }
-    }
-
-    /// Notes `signal`; `true` if it was already noted and not pushed out since.
-    pub(crate) fn check_in(&self, signal: u64) -> bool {
-        // Low bits pick the set, a high one the place a newcomer takes; the whole
-        // signal is compared. Two keys sharing a set no longer push each other out.
-        let set = (signal as usize) & (SEEN_SLOTS - 2);
-        let pair = &self.slots[set..set + 2];
-        if pair
-            .iter()
-            .any(|slot| slot.load(Ordering::Relaxed) == signal)
-        {
-            return true;
-        }
-        pair[usize::from(signal & (1 << 40) != 0)].store(signal, Ordering::Relaxed);
-        false
     }
 }
 
@@ -147,23 +110,6 @@ mod tests {
         assert_ne!(signal("t", "ab", "c"), signal("t", "a", "bc"));
         assert_ne!(signal("t1", "a", "b"), signal("t2", "a", "b"));
         assert_eq!(signal("t", "a", "b"), signal("t", "a", "b"));
-    }
-
-    #[test]
-    fn seen_keys_are_recognised_until_pushed_out() {
-        let seen = Seen::new();
-        let key = signal_of(&key_digest("t", "", "order-1"));
-        assert!(!seen.check_in(key), "new");
-        assert!(seen.check_in(key), "seen");
-        // A second key in the same set sits beside it.
-        let beside = key ^ (1 << 40);
-        assert!(!seen.check_in(beside));
-        assert!(seen.check_in(key) && seen.check_in(beside), "both kept");
-        // A third one takes the place of the key whose high bit it shares.
-        let third = key ^ (1 << 41);
-        assert!(!seen.check_in(third));
-        assert!(!seen.check_in(key), "pushed out");
-        assert!(seen.check_in(beside), "its neighbour stays");
     }
 
     #[tokio::test]

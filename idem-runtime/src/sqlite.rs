@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
-use crate::admin::{KeyRecord, Query, fetch};
-use crate::backend::{Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Store};
+use crate::backend::{
+    Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
+};
+use crate::backend::{KeyRecord, Query, fetch};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -24,19 +26,21 @@ pub struct Sql {
     sweep: Arc<str>,
 }
 
-impl Store for Sqlite {
+impl Driver for Sqlite {
     type IdemSql = Sql;
 
-    const IDEM_MIGRATIONS: &'static [Migration] = &[
-        Migration {
-            sql: include_str!("../migrations/sqlite/0001_idempotency_keys.sql"),
-            applied: Applied::TableExists,
-        },
-        Migration {
-            sql: include_str!("../migrations/sqlite/0002_content_type.sql"),
-            applied: Applied::HasColumn("content_type"),
-        },
-    ];
+    fn idem_migrations(_layout: Layout) -> &'static [Migration] {
+        &[
+            Migration {
+                sql: include_str!("../migrations/sqlite/0001_idempotency_keys.sql"),
+                applied: Applied::TableExists,
+            },
+            Migration {
+                sql: include_str!("../migrations/sqlite/0002_content_type.sql"),
+                applied: Applied::HasColumn("content_type"),
+            },
+        ]
+    }
 
     fn idem_sql(table: &str, _layout: Layout) -> Sql {
         Sql {

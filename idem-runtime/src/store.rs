@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::backend::{Applied, Backend, Layout};
-use crate::signal::{Seen, Signals};
+use crate::signal::Signals;
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
@@ -59,8 +59,6 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) listen_pool: Option<Pool<DB>>,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
-    /// Only where the backend heeds it (see `Seen`).
-    pub(crate) seen: Option<Seen>,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -261,7 +259,6 @@ impl<DB: Backend> Builder<DB> {
             transaction_pooled: self.transaction_pooled,
         };
         let sql = DB::idem_sql(&self.table, layout);
-        let seen = DB::idem_heeds_read_first(&sql).then(Seen::new);
         Idempotency {
             inner: Arc::new(Inner {
                 pool: self.pool,
@@ -274,7 +271,6 @@ impl<DB: Backend> Builder<DB> {
                 listen_pool: self.listen_pool,
                 sql,
                 signals: Signals::new(),
-                seen,
             }),
         }
     }
@@ -391,11 +387,11 @@ pub fn migration_sql<DB: Backend>(table: &str, partitioned: bool) -> String {
 
 /// The backend's migrations, in order, for `table`.
 fn migrations<DB: Backend>(table: &str, partitioned: bool) -> Vec<(String, Applied)> {
-    let migrations = match DB::IDEM_PARTITIONED_MIGRATIONS {
-        Some(layout) if partitioned => layout,
-        _ => DB::IDEM_MIGRATIONS,
+    let layout = Layout {
+        partitioned,
+        ..Layout::default()
     };
-    migrations
+    DB::idem_migrations(layout)
         .iter()
         .map(|m| (m.sql.replace(DEFAULT_TABLE, table), m.applied))
         .collect()

@@ -635,7 +635,9 @@ struct Seen {
 
 impl std::fmt::Debug for Seen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Seen").field("slots", &self.slots.len()).finish()
+        f.debug_struct("Seen")
+            .field("slots", &self.slots.len())
+            .finish()
     }
 }
 

@@ -272,11 +272,11 @@
 /// ```
 pub use idem_macros::idempotent;
 pub use idem_runtime::{
-    Backend, Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
+    Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_TABLE, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL,
     IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, InvalidKey, InvalidOptions, KeyRecord,
-    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Sweep, SweepReport, Tx,
-    fingerprint, migration_sql,
+    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Shutdown, Sweep, SweepReport,
+    Tx, fingerprint, migration_sql,
 };
 
 #[cfg(feature = "postgres")]

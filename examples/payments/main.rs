@@ -12,6 +12,9 @@
 //! at start; for `demo`, a scratch SQLite file), `BIND` (default `127.0.0.1:3000`;
 //! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25).
 //!
+//! SIGTERM or Ctrl-C shuts it down gracefully (`idem::Shutdown`): payments in flight
+//! finish and are recorded, new ones are answered 503 `shutting-down` until it exits.
+//!
 //! `demo` serves the API behind a flaky proxy (it refuses some requests with 503 and
 //! loses the responses of some completed payments as 502) and sends it a storm of
 //! payments through the retrying client, each payment sent several times at once
@@ -54,7 +57,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idem::{Idempotency, IdempotencyKey, Scope, Tx, idempotent};
+use idem::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::Pool;
 #[cfg(feature = "mysql")]
@@ -104,7 +107,7 @@ impl<DB: Ledger> App<DB> {
         pool: Pool<DB>,
         provider: Pool<DB>,
         latency: Duration,
-    ) -> Result<Router, sqlx::Error> {
+    ) -> Result<(Router, Shutdown), sqlx::Error> {
         let idempotency = Idempotency::builder(pool)
             .problem_base("https://payments.example/problems/")
             .build()
@@ -112,6 +115,7 @@ impl<DB: Ledger> App<DB> {
         idempotency.migrate().await?;
         DB::migrate(idempotency.pool()).await?;
         DB::migrate_provider(&provider).await?;
+        let shutdown = idempotency.shutdown();
         let app = Self {
             idempotency,
             provider: Provider {
@@ -119,14 +123,15 @@ impl<DB: Ledger> App<DB> {
                 latency,
             },
         };
-        Ok(Router::new()
+        let router = Router::new()
             .route(
                 "/payments",
                 post(create_payment::<DB>).get(list_payments::<DB>),
             )
             .route("/payments/{id}", get(get_payment::<DB>))
             .route("/provider/charges", get(list_charges::<DB>))
-            .with_state(app))
+            .with_state(app);
+        Ok((router, shutdown))
     }
 }
 
@@ -307,7 +312,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Each backend is there when the example is built with its feature.
     let scheme = url.split(':').next().unwrap_or_default();
-    let (app, backend) = match scheme {
+    let ((app, shutdown), backend) = match scheme {
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
             let pool = PgPoolOptions::new()
@@ -367,8 +372,42 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "  curl -i -X POST http://{addr}/payments -H 'Authorization: Bearer alice' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{\"amount\": 1200, \"currency\": \"JPY\", \"to\": \"bob\"}}'"
     );
     println!("  curl -s http://{addr}/payments -H 'Authorization: Bearer alice'");
-    axum::serve(listener, app).await?;
+    // SIGTERM (a deploy) or Ctrl-C: stop taking payments, let those in flight
+    // finish and be recorded, cancel what is left after 25 s (within a typical 30 s
+    // grace period), then exit.
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.drain_on(stop_signal()))
+        .await?;
+    let closed = shutdown.close(Duration::from_secs(25)).await;
+    println!(
+        "payments: stopped ({} in flight cancelled)",
+        closed.cancelled
+    );
     Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn stop_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = terminate.recv() => {}
+                    _ = interrupt => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
 }
 
 /// Why `DATABASE_URL` cannot be served by this build.

@@ -4,11 +4,12 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
+use futures_util::future::{Either, select};
 use http::{HeaderValue, Method, Response, Uri, header};
 use http_body::Body;
 use http_body_util::{BodyExt as _, Limited};
@@ -160,6 +161,8 @@ pub enum Outcome {
     Refused,
     /// The database failed: 503 `store-unavailable`.
     StoreFailed,
+    /// The store is shutting down: 503 `shutting-down`, nothing ran or was kept.
+    ShuttingDown,
 }
 
 impl Outcome {
@@ -175,6 +178,7 @@ impl Outcome {
             Self::Unkeyed => "unkeyed",
             Self::Refused => "refused",
             Self::StoreFailed => "store_failed",
+            Self::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -221,6 +225,8 @@ enum Ran {
     TimedOut,
     /// The handler's `Tx` outlived it (moved into a task of its own).
     Escaped,
+    /// The store's shutdown cancelled the handler.
+    Cancelled,
 }
 
 impl<DB: Backend> Idempotency<DB> {
@@ -291,12 +297,20 @@ impl<DB: Backend> Idempotency<DB> {
             path = %request.path,
             key = request.key.as_ref().map(IdempotencyKey::as_str),
         );
+        // Counted in before anything is claimed: a store shutting down takes nothing
+        // new, and waits for what it took (see `Shutdown`).
+        let Some(running) = self.inner.lifecycle.enter() else {
+            let mut response = self.shutting_down();
+            response.extensions_mut().insert(Outcome::ShuttingDown);
+            return response;
+        };
         let store = self.clone();
         // Boxed where it is built: the state machine is about 10 KiB, which the
         // task would otherwise take by copy through every frame of `spawn`.
         let task = tokio::spawn(Box::pin(
             async move {
                 let (outcome, mut response) = store.run(request, options, handler).await;
+                drop(running);
                 tracing::info!(
                     outcome = outcome.as_str(),
                     status = response.status().as_u16(),
@@ -395,6 +409,11 @@ impl<DB: Backend> Idempotency<DB> {
                 }
             };
             match &mut waiting {
+                // A draining store's waiters stop waiting: their retry goes to an
+                // instance that stays up.
+                _ if self.inner.lifecycle.is_draining() => {
+                    return (Outcome::ShuttingDown, self.shutting_down());
+                }
                 Some((receiver, deadline)) if TokioInstant::now() < *deadline => {
                     // No connection is held while waiting.
                     let until = (*deadline).min(TokioInstant::now() + pause);
@@ -480,7 +499,8 @@ impl<DB: Backend> Idempotency<DB> {
         let claimed_at = Instant::now();
         let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
         let limit = Some(self.inner.max_response_bytes);
-        let (ran, open) = run_handler(open, handler, Some(lock), limit, lock).await;
+        let cancelled = self.inner.lifecycle.cancelled();
+        let (ran, open) = run_handler(open, handler, Some(lock), limit, lock, cancelled).await;
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
             // the claim goes with it (SQLite's row once `lock` has passed).
@@ -618,7 +638,9 @@ impl<DB: Backend> Idempotency<DB> {
             Err(error) => return self.store_failed(&error),
         };
         let open = Open::new(conn, adopted);
-        let (ran, open) = run_handler(open, handler, None, None, options.lock_duration()).await;
+        let cancelled = self.inner.lifecycle.cancelled();
+        let wait = options.lock_duration();
+        let (ran, open) = run_handler(open, handler, None, None, wait, cancelled).await;
         let Some(open) = open else {
             return (Outcome::Unkeyed, self.failed(ran));
         };
@@ -732,6 +754,13 @@ impl<DB: Backend> Idempotency<DB> {
         response
     }
 
+    /// 503 `shutting-down`: nothing of this request is kept; retry elsewhere.
+    fn shutting_down(&self) -> Response<Bytes> {
+        let detail = "this server is shutting down; nothing of this request was kept: \
+                      retry with the same key";
+        self.problem(Problem::ShuttingDown, detail)
+    }
+
     fn lease_expired(&self) -> Response<Bytes> {
         let detail = "the request ran past its lock and was rolled back; retry with the same key";
         self.problem(Problem::LeaseExpired, detail)
@@ -784,6 +813,10 @@ impl<DB: Backend> Idempotency<DB> {
                     "the handler failed; the request was rolled back",
                 )
             }
+            Ran::Cancelled => {
+                tracing::warn!("handler cancelled by the shutdown; rolled back");
+                self.shutting_down()
+            }
             Ran::Escaped => self.problem(
                 Problem::HandlerFailed,
                 "the handler's transaction outlived it (a Tx moved into a task of its own); \
@@ -800,15 +833,17 @@ impl<DB: Backend> Idempotency<DB> {
 }
 
 /// Lends `open` to the handler and buffers its response, catching panics and, with
-/// `lock`, dropping the handler at the deadline. Gives the transaction back when
-/// the handler has dropped its `Tx`; a `Tx` that outlives the handler is waited for
-/// up to `escaped_wait`, and the run is `Escaped` either way.
+/// `lock`, dropping the handler at the deadline, or when `cancelled` resolves. Gives
+/// the transaction back when the handler has dropped its `Tx`; a `Tx` that outlives
+/// the handler is waited for up to `escaped_wait`, and the run is `Escaped` either
+/// way.
 async fn run_handler<DB, F, B>(
     open: Open<DB>,
     handler: F,
     lock: Option<Duration>,
     limit: Option<usize>,
     escaped_wait: Duration,
+    cancelled: impl Future<Output = ()>,
 ) -> (Ran, Option<Open<DB>>)
 where
     DB: Backend,
@@ -831,14 +866,21 @@ where
         }
     })
     .catch_unwind();
-    let caught = match lock {
-        Some(lock) => tokio::time::timeout(lock, work).await.ok(),
-        None => Some(work.await),
+    let bounded = async {
+        match lock {
+            Some(lock) => tokio::time::timeout(lock, work).await.ok(),
+            None => Some(work.await),
+        }
+    };
+    let caught = match select(pin!(bounded), pin!(cancelled)).await {
+        Either::Left((caught, _)) => Some(caught),
+        Either::Right(((), _)) => None,
     };
     let ran = match caught {
-        None => Ran::TimedOut,
-        Some(Ok(ran)) => ran,
-        Some(Err(panic)) => {
+        None => Ran::Cancelled,
+        Some(None) => Ran::TimedOut,
+        Some(Some(Ok(ran))) => ran,
+        Some(Some(Err(panic))) => {
             let message = panic
                 .downcast_ref::<&str>()
                 .map(|s| (*s).to_owned())

@@ -17,6 +17,7 @@ mod options;
 mod problem;
 mod record;
 mod scope;
+mod shutdown;
 mod signal;
 mod store;
 mod sweep;
@@ -41,6 +42,7 @@ pub use options::{InvalidOptions, Options};
 pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;
+pub use shutdown::{Closed, Shutdown};
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
     DEFAULT_TABLE, Idempotency, migration_sql,

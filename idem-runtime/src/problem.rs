@@ -55,6 +55,10 @@ pub enum Problem {
     /// committed unless the failure struck the commit itself, and a retry finds
     /// either the stored response or a free key. Carries `Retry-After: 1`.
     StoreUnavailable,
+    /// 503: the server is shutting down (see [`Shutdown`](crate::Shutdown)):
+    /// nothing of the request was kept, and its retry, with the same key, finds the
+    /// key free. Carries `Retry-After: 1`.
+    ShuttingDown,
 }
 
 impl Problem {
@@ -69,7 +73,9 @@ impl Problem {
             Self::ResponseTooLarge | Self::HandlerFailed | Self::InvalidOptions => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
-            Self::LeaseExpired | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::LeaseExpired | Self::StoreUnavailable | Self::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -87,6 +93,7 @@ impl Problem {
             Self::HandlerFailed => "handler-failed",
             Self::InvalidOptions => "invalid-options",
             Self::StoreUnavailable => "store-unavailable",
+            Self::ShuttingDown => "shutting-down",
         }
     }
 
@@ -104,6 +111,7 @@ impl Problem {
             Self::HandlerFailed => "Request handler failed",
             Self::InvalidOptions => "Endpoint misconfigured",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::ShuttingDown => "Server shutting down",
         }
     }
 
@@ -111,7 +119,7 @@ impl Problem {
     pub fn retry_after(self) -> bool {
         matches!(
             self,
-            Self::InFlight | Self::LeaseExpired | Self::StoreUnavailable
+            Self::InFlight | Self::LeaseExpired | Self::StoreUnavailable | Self::ShuttingDown
         )
     }
 

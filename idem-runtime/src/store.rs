@@ -7,6 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::backend::{Applied, Backend, Layout};
+use crate::shutdown::{Lifecycle, Shutdown};
 use crate::signal::Signals;
 
 /// Name of the key table unless [`Builder::table`] says otherwise.
@@ -59,6 +60,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) listen_pool: Option<Pool<DB>>,
     pub(crate) sql: DB::IdemSql,
     pub(crate) signals: Signals,
+    pub(crate) lifecycle: Arc<Lifecycle>,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -161,6 +163,11 @@ impl<DB: Backend> Idempotency<DB> {
     /// This store's migrations, in order, for its table.
     fn migrations(&self) -> Vec<(String, Applied)> {
         migrations::<DB>(&self.inner.table, self.inner.partitioned)
+    }
+
+    /// The handle that shuts this store down gracefully: see [`Shutdown`].
+    pub fn shutdown(&self) -> Shutdown {
+        Shutdown::new(Arc::clone(&self.inner.lifecycle))
     }
 
     /// Whether the table uses the partitioned layout.
@@ -271,6 +278,7 @@ impl<DB: Backend> Builder<DB> {
                 listen_pool: self.listen_pool,
                 sql,
                 signals: Signals::new(),
+                lifecycle: Arc::new(Lifecycle::new()),
             }),
         }
     }

@@ -1052,6 +1052,87 @@ async fn escaped_transactions_are_rolled_back<H: Harness>() {
     h.finish().await;
 }
 
+/// Graceful shutdown, drained: the keyed request in flight finishes and is recorded,
+/// keyed requests that arrive after `drain` are answered 503 `shutting-down` with
+/// `Retry-After` and claim nothing, and `close` then returns at once.
+async fn draining_finishes_in_flight_and_refuses_new_keys<H: Harness>() {
+    let Some(h) = start::<H>().await else {
+        return;
+    };
+    let app = router(&h);
+    let gate = format!("drain-{}", unique_suffix());
+    let key = format!("k-drain-{}", unique_suffix());
+    let first = {
+        let (app, req) = (
+            app.clone(),
+            Req::post("alice", &key, BODY).header("x-gate", &gate),
+        );
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    await_started(&key).await;
+    let shutdown = h.store().shutdown();
+    shutdown.drain();
+    let refused = send(&app, &Req::post("alice", "k-new", BODY)).await;
+    assert_eq!(refused.status, 503);
+    assert!(String::from_utf8_lossy(&refused.body).contains("shutting-down"));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.outcome, Some(Outcome::ShuttingDown));
+    app::open_gate(&gate);
+    let first = first.await.expect("request in flight");
+    assert_eq!(first.status, 201);
+    let closed = shutdown.close(Duration::from_secs(10)).await;
+    assert_eq!((closed.cancelled, closed.left), (0, 0));
+    assert_eq!(h.effects("alice").await, 1);
+    let rows = h.key_rows("alice").await;
+    assert_eq!(
+        rows.len(),
+        1,
+        "nothing claimed for the refused key: {rows:?}"
+    );
+    // An instance that stays up takes the refused key at once.
+    let other = app::router_on::<H>(h.another_instance());
+    let later = send(&other, &Req::post("alice", "k-new", BODY)).await;
+    assert_eq!(later.outcome, Some(Outcome::Executed));
+    h.finish().await;
+}
+
+/// Graceful shutdown, out of time: the execution still running at the end of the
+/// grace period is cancelled, rolled back, its claim released and answered 503; its
+/// retry on an instance that is up runs at once instead of waiting out `lock`.
+async fn close_cancels_what_cannot_finish<H: Harness>() {
+    let Some(h) = start::<H>().await else {
+        return;
+    };
+    let app = router(&h);
+    let gate = format!("stuck-{}", unique_suffix());
+    let key = format!("k-stuck-{}", unique_suffix());
+    let stuck = {
+        let (app, req) = (
+            app.clone(),
+            Req::post("alice", &key, BODY).header("x-gate", &gate),
+        );
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    await_started(&key).await;
+    let closed = h.store().shutdown().close(Duration::from_millis(300)).await;
+    assert_eq!((closed.cancelled, closed.left), (1, 0));
+    let stuck = stuck.await.expect("request in flight");
+    assert_eq!(stuck.status, 503);
+    assert!(String::from_utf8_lossy(&stuck.body).contains("shutting-down"));
+    assert_eq!(h.effects("alice").await, 0, "rolled back");
+    let other = app::router_on::<H>(h.another_instance());
+    let started = Instant::now();
+    let retry = send(&other, &Req::post("alice", &key, BODY)).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed), "{retry:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the claim was released"
+    );
+    assert_eq!(h.effects("alice").await, 1);
+    app::open_gate(&gate);
+    h.finish().await;
+}
+
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
         #[cfg(feature = "postgres")]
@@ -1128,4 +1209,6 @@ conformance!(
     migrate_upgrades_a_table_of_the_previous_release,
     escaped_transactions_are_rolled_back,
     idem_extractors_work_in_any_handler,
+    draining_finishes_in_flight_and_refuses_new_keys,
+    close_cancels_what_cannot_finish,
 );

@@ -4,7 +4,7 @@
 //! ```text
 //! cargo test --all-features --test faults                    # the bounded form CI runs
 //! IDEM_FAULTS=full cargo test --all-features --test faults   # more keys, longer storms
-//! IDEM_FAULTS_ONLY=hang cargo test --all-features --test faults   # one scenario: crash, hang,
+//! IDEM_FAULTS_ONLY=hang cargo test --all-features --test faults   # one scenario: crash, sigterm, hang,
 //!                                                  # killed, locked, pool, storm,
 //!                                                  # hostile or restart
 //! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers
@@ -53,6 +53,7 @@ fn main() -> ExitCode {
 #[derive(Clone, Copy)]
 enum Scenario {
     Crash,
+    Sigterm,
     Hang,
     SessionKilled,
     PoolExhausted,
@@ -66,6 +67,7 @@ impl Scenario {
     fn tag(self) -> &'static str {
         match self {
             Self::Crash => "crash",
+            Self::Sigterm => "sigterm",
             Self::Hang => "hang",
             Self::SessionKilled => "killed",
             Self::PoolExhausted => "pool",
@@ -96,6 +98,7 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
     };
     let row = match scenario {
         Scenario::Crash => scenarios::crash(&db, scale).await,
+        Scenario::Sigterm => scenarios::sigterm(&db).await,
         Scenario::Hang => scenarios::hang(&db).await,
         Scenario::SessionKilled => scenarios::session_killed(&db).await,
         Scenario::PoolExhausted => scenarios::pool_exhausted(&db).await,
@@ -115,6 +118,7 @@ async fn run() -> ExitCode {
     let mut rows = Vec::new();
     for scenario in [
         Scenario::Crash,
+        Scenario::Sigterm,
         Scenario::Hang,
         Scenario::SessionKilled,
         Scenario::TableLocked,

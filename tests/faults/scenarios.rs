@@ -207,24 +207,34 @@ pub async fn crash(db: &Fresh, scale: &Scale) -> Row {
     }
 
     // What the databases hold.
-    let expected = scale.crash_keys;
-    let charges = match get_json(&app.addr, "/provider/charges", None).await {
-        Ok(all) => all["charges"].as_array().cloned().unwrap_or_default(),
-        Err(error) => return row.failed(error),
-    };
+    if let Err(error) = check_ledger(&mut row, &app.addr, "crash-u", scale.crash_keys).await {
+        return row.failed(error);
+    }
+    row.note = format!("{before} answered before the kill; narrow window replayed");
+    row
+}
+
+/// Checks what the payments example's databases hold for the users `prefix0` to
+/// `prefix3`: `expected` payments and charges, each charge paid once, balances
+/// that add up.
+async fn check_ledger(
+    row: &mut Row,
+    addr: &str,
+    prefix: &str,
+    expected: u64,
+) -> Result<(), String> {
+    let all = get_json(addr, "/provider/charges", None).await?;
+    let charges = all["charges"].as_array().cloned().unwrap_or_default();
     let charged: HashSet<String> = charges
         .iter()
-        .filter(|c| c["user"].as_str().is_some_and(|u| u.starts_with("crash-u")))
+        .filter(|c| c["user"].as_str().is_some_and(|u| u.starts_with(prefix)))
         .filter_map(|c| c["id"].as_str().map(str::to_owned))
         .collect();
     row.charges = Some(charged.len() as u64);
     let mut paid: BTreeMap<String, u64> = BTreeMap::new();
     for n in 0..4 {
-        let user = format!("crash-u{n}");
-        let ledger = match get_json(&app.addr, "/payments", Some(&user)).await {
-            Ok(ledger) => ledger,
-            Err(error) => return row.failed(error),
-        };
+        let user = format!("{prefix}{n}");
+        let ledger = get_json(addr, "/payments", Some(&user)).await?;
         let payments = ledger["payments"].as_array().cloned().unwrap_or_default();
         let spent: i64 = payments.iter().filter_map(|p| p["amount"].as_i64()).sum();
         let balance = ledger["balance"].as_i64().unwrap_or_default();
@@ -247,7 +257,117 @@ pub async fn crash(db: &Fresh, scale: &Scale) -> Row {
     row.check(unpaid == 0, || {
         format!("{unpaid} charges without a payment")
     });
-    row.note = format!("{before} answered before the kill; narrow window replayed");
+    Ok(())
+}
+
+/// Scenario 2: SIGTERM to the payments example while its payments wait at the card
+/// provider, as a deploy sends it. Each payment answers 201 before the process
+/// exits, or (refused while it drains) its retry after the restart succeeds within
+/// 2 s; one payment and one charge per key.
+pub async fn sigterm(db: &Fresh) -> Row {
+    let mut row = Row::new("sigterm (graceful, payments example)", db.backend);
+    let once = client(1);
+    let keys = 6;
+    let payment = |i: u64| {
+        let user = format!("term-u{}", i % 4);
+        let body = format!(
+            r#"{{"amount": {}, "currency": "JPY", "to": "shop"}}"#,
+            100 + i
+        );
+        (user, format!("term-{i}"), body)
+    };
+    let mut app = match Proc::payments(&db.url, 800, &[]).await {
+        Ok(app) => app,
+        Err(error) => return row.failed(error),
+    };
+    let mut in_flight = JoinSet::new();
+    for i in 0..keys {
+        let (user, key, body) = payment(i);
+        let (once, addr) = (once.clone(), app.addr.clone());
+        in_flight.spawn(async move {
+            let sent = post(&once, &addr, "/payments", &pay_headers(&user, &key), body).await;
+            (key, sent)
+        });
+    }
+    // At the provider, inside their transactions.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (user, late_key, body) = payment(keys);
+    let late = post(
+        &once,
+        &app.addr,
+        "/payments",
+        &pay_headers(&user, &late_key),
+        body,
+    )
+    .await;
+    row.requests += 1;
+    row.check(
+        late.as_ref().map_or(true, |a| {
+            a.status == 503 && a.text().contains("shutting-down")
+        }),
+        || format!("a payment sent while draining: {late:?}"),
+    );
+    let mut retry = vec![late_key];
+    let mut answered = 0;
+    while let Some(joined) = in_flight.join_next().await {
+        let Ok((key, sent)) = joined else {
+            row.problems.push("a payment task failed".into());
+            continue;
+        };
+        row.requests += 1;
+        match sent {
+            Ok(answer) if answer.status == 201 => answered += 1,
+            _ => retry.push(key),
+        }
+    }
+    for _ in 0..800 {
+        if app.exited() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    row.check(app.exited(), || {
+        "the process did not exit after SIGTERM".into()
+    });
+    drop(app);
+
+    let app = match Proc::payments(&db.url, 0, &[]).await {
+        Ok(app) => app,
+        Err(error) => return row.failed(error),
+    };
+    let retrying = client(5);
+    for key in &retry {
+        let i: u64 = key.trim_start_matches("term-").parse().unwrap_or(0);
+        let (user, _, body) = payment(i);
+        let started = std::time::Instant::now();
+        let sent = post(
+            &retrying,
+            &app.addr,
+            "/payments",
+            &pay_headers(&user, key),
+            body,
+        )
+        .await;
+        let took = started.elapsed();
+        match sent {
+            Ok(answer) => {
+                row.requests += u64::from(answer.attempts);
+                row.check(
+                    answer.status == 201 && took < Duration::from_secs(2),
+                    || format!("{key}: {} after {took:?}: {}", answer.status, answer.text()),
+                );
+            }
+            Err(error) => row.problems.push(format!("{key}: {error}")),
+        }
+    }
+    if let Err(error) = check_ledger(&mut row, &app.addr, "term-u", keys + 1).await {
+        return row.failed(error);
+    }
+    row.note = format!(
+        "{answered} of {keys} answered 201 before exiting; the rest and 1 sent while draining retried after the restart"
+    );
     row
 }
 

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 /// [`Idempotency::shutdown`](crate::Idempotency::shutdown). It names no database,
 /// so an application with several stores can hold one per store.
 ///
-/// [`drain`](Self::drain) stops taking keyed requests: each is answered 503
+/// [`drain`](Self::drain) stops taking requests (keyed or not): each is answered 503
 /// `shutting-down` with `Retry-After: 1`, before anything is claimed, so its retry
 /// goes to an instance that is up. Executions already in flight go on, and are
 /// recorded as usual. [`close`](Self::close) then waits for them, up to a grace
@@ -71,7 +71,7 @@ impl Shutdown {
         Self { lifecycle }
     }
 
-    /// Stops taking keyed requests; executions in flight go on.
+    /// Stops taking requests; executions in flight go on.
     pub fn drain(&self) {
         self.lifecycle.draining.store(true, Ordering::SeqCst);
     }

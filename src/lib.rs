@@ -90,11 +90,32 @@
 //! | `sqlite` | the SQLite backend |
 //! | `client` | `idem::client`, the retrying tower layer for callers |
 //! | `reqwest` | `idem::client::reqwest`, the same retries as `reqwest-middleware` middleware |
+//! | `metrics` | counters, histograms and a gauge through the `metrics` facade (below) |
 //!
 //! ```toml
 //! [dependencies]
 //! idem = { version = "0.1", features = ["postgres"] }
 //! ```
+//!
+//! # Metrics
+//!
+//! With feature `metrics`, idem reports through the `metrics` facade to whatever
+//! recorder the application installs (`metrics-exporter-prometheus`, say; the
+//! payments example serves them at `/metrics`):
+//!
+//! | name | kind | labels | what |
+//! | --- | --- | --- | --- |
+//! | `idem_requests_total` | counter | `outcome`, `endpoint` | requests that reached idem, by [`Outcome`] (`executed`, `replayed`, `in_flight`, ...) |
+//! | `idem_claim_duration_seconds` | histogram | `endpoint` | from the first look at a key to holding its claim |
+//! | `idem_record_duration_seconds` | histogram | `endpoint` | recording the response and committing, after the handler |
+//! | `idem_claims_in_flight` | gauge | | claims this process holds now |
+//! | `idem_sweep_deleted_total` | counter | | expired keys the sweeper deleted |
+//!
+//! `endpoint` is the method and the matched route (`POST /payments/{id}`), so that
+//! it takes few values; see [`RequestIdentity::with_endpoint`] when calling the
+//! engine by hand. Logs go through `tracing`: one span a request at DEBUG, named
+//! `idem`, with its method, path, key, and once answered its outcome and status;
+//! INFO for a takeover, WARN for a lost lease, a store error or a cancelled run.
 //!
 //! # Backends
 //!

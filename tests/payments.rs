@@ -352,6 +352,7 @@ async fn payments_example_on_sqlite_default() {
     contract(&server.addr).await;
     storm(&server.addr).await;
     eprintln!("sqlite payments contract: {:?}", started.elapsed());
+    metrics_count_what_happened(&server.addr).await;
     drop(server);
     // The demo's default: a scratch database of its own, removed when it ends.
     let pid = demo(None, &dir).await;
@@ -507,4 +508,55 @@ async fn quickstart_example_orders_once() {
     assert_eq!(list.json().as_array().map(Vec::len), Some(1), "{list:?}");
     drop(server);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The value of the Prometheus sample whose line starts with `name{` and holds
+/// every label of `labels`.
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|line| {
+            line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} "))
+        })
+        .find(|line| labels.iter().all(|label| line.contains(label)))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+}
+
+/// `/metrics` (feature `metrics`, Prometheus text): requests by outcome and
+/// endpoint (the route, not the path), claim and record latency, claims in flight.
+async fn metrics_count_what_happened(addr: &str) {
+    let text = call(addr, "GET", "/metrics", &[], "").await.body;
+    let route = r#"endpoint="POST /payments""#;
+    let executed = sample(
+        &text,
+        "idem_requests_total",
+        &[route, r#"outcome="executed""#],
+    );
+    assert!(executed.is_some_and(|n| n >= 1.0), "{text}");
+    let replayed = sample(
+        &text,
+        "idem_requests_total",
+        &[route, r#"outcome="replayed""#],
+    );
+    assert!(replayed.is_some_and(|n| n >= 1.0), "{text}");
+    let mismatch = sample(
+        &text,
+        "idem_requests_total",
+        &[route, r#"outcome="mismatch""#],
+    );
+    assert!(mismatch.is_some_and(|n| n >= 1.0), "{text}");
+    let claims = sample(&text, "idem_claim_duration_seconds_count", &[route]);
+    assert!(
+        claims.is_some_and(|n| n >= executed.unwrap_or_default()),
+        "{text}"
+    );
+    assert!(
+        sample(&text, "idem_record_duration_seconds_count", &[route]).is_some(),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "idem_claims_in_flight", &[]),
+        Some(0.0),
+        "{text}"
+    );
 }

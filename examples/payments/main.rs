@@ -35,6 +35,7 @@
 //!   -d '{"amount": 9999, "currency": "JPY", "to": "bob"}'
 //! curl -s localhost:3000/payments -H 'Authorization: Bearer alice'
 //! curl -s localhost:3000/provider/charges
+//! curl -s localhost:3000/metrics        # idem_requests_total{outcome=...} and the rest
 //! ```
 //!
 //! The fake card provider stands for an external system: it commits each charge
@@ -58,6 +59,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
 use sqlx::Pool;
 #[cfg(feature = "mysql")]
@@ -312,6 +314,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Each backend is there when the example is built with its feature.
     let scheme = url.split(':').next().unwrap_or_default();
+    // idem's metrics (feature `metrics`), and the app's, in Prometheus' text format.
+    let prometheus = PrometheusBuilder::new().install_recorder()?;
     let ((app, shutdown), backend) = match scheme {
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
@@ -361,6 +365,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => return Err(unsupported(other, &url).into()),
     };
+    let app = app.route("/metrics", get(move || async move { prometheus.render() }));
 
     if demo.is_some() {
         println!("payments demo on {backend}");

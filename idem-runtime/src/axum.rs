@@ -49,7 +49,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{
-    FromRef, FromRequest, FromRequestParts, OptionalFromRequestParts, OriginalUri, Request,
+    FromRef, FromRequest, FromRequestParts, MatchedPath, OptionalFromRequestParts, OriginalUri,
+    Request,
 };
 use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri, header};
@@ -141,8 +142,11 @@ impl<DB: Backend> IdempotentRequest<DB> {
     where
         F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
-        let request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
+        let mut request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
             .with_content_type(content_type(parts));
+        if let Some(route) = parts.extensions.get::<MatchedPath>() {
+            request = request.with_endpoint(format!("{} {}", parts.method, route.as_str()));
+        }
         store
             .execute(request, options, handler)
             .await

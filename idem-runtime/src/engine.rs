@@ -20,6 +20,7 @@ use tracing::Instrument as _;
 
 use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded};
 use crate::key::IdempotencyKey;
+use crate::metrics;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
@@ -71,6 +72,7 @@ pub struct RequestIdentity {
     path: String,
     content_type: String,
     fingerprint: [u8; 32],
+    endpoint: Option<String>,
 }
 
 impl RequestIdentity {
@@ -92,7 +94,17 @@ impl RequestIdentity {
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
             content_type: String::new(),
             fingerprint: fingerprint(body),
+            endpoint: None,
         }
+    }
+
+    /// Names the endpoint in metrics (feature `metrics`), e.g. `POST /payments/{id}`:
+    /// a route, not a path, so that the label keeps few values. The axum
+    /// integration sets it from the matched route.
+    #[must_use]
+    pub fn with_endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.endpoint = Some(endpoint.into());
+        self
     }
 
     /// Sets the body's `Content-Type` as the client sent it (none: empty). The same
@@ -291,31 +303,41 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let span = tracing::info_span!(
+        // One span a request, at DEBUG as tower-http's are; only what an operator
+        // must act on (takeovers, lost leases, store errors) is logged above it.
+        let span = tracing::debug_span!(
             "idem",
             method = %request.method,
             path = %request.path,
             key = request.key.as_ref().map(IdempotencyKey::as_str),
+            outcome = tracing::field::Empty,
+            status = tracing::field::Empty,
         );
+        let endpoint = request
+            .endpoint
+            .clone()
+            .unwrap_or_else(|| request.method.to_string());
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
         let Some(running) = self.inner.lifecycle.enter() else {
             let mut response = self.shutting_down();
             response.extensions_mut().insert(Outcome::ShuttingDown);
+            metrics::request(Outcome::ShuttingDown.as_str(), &endpoint);
             return response;
         };
         let store = self.clone();
+        let label = endpoint.clone();
         // Boxed where it is built: the state machine is about 10 KiB, which the
         // task would otherwise take by copy through every frame of `spawn`.
         let task = tokio::spawn(Box::pin(
             async move {
                 let (outcome, mut response) = store.run(request, options, handler).await;
                 drop(running);
-                tracing::info!(
-                    outcome = outcome.as_str(),
-                    status = response.status().as_u16(),
-                    "idempotent request"
-                );
+                let span = tracing::Span::current();
+                span.record("outcome", outcome.as_str());
+                span.record("status", response.status().as_u16());
+                tracing::debug!("idempotent request answered");
+                metrics::request(outcome.as_str(), &label);
                 response.extensions_mut().insert(outcome);
                 response
             }
@@ -331,6 +353,7 @@ impl<DB: Backend> Idempotency<DB> {
                     "the request was interrupted; retry with the same key",
                 );
                 response.extensions_mut().insert(Outcome::StoreFailed);
+                metrics::request(Outcome::StoreFailed.as_str(), &endpoint);
                 response
             }
         }
@@ -365,6 +388,10 @@ impl<DB: Backend> Idempotency<DB> {
                 Err(error) => self.store_failed(&error),
             };
         };
+        let endpoint = request
+            .endpoint
+            .as_deref()
+            .unwrap_or(request.method.as_str());
         let id = Identity {
             scope: &request.scope,
             key: key.as_str(),
@@ -397,7 +424,7 @@ impl<DB: Backend> Idempotency<DB> {
         let mut repaired = false;
         loop {
             handler = match self
-                .attempt(&id, &options, signal, handler, !repaired)
+                .attempt(&id, &options, signal, handler, !repaired, endpoint)
                 .await
             {
                 Step::Done(outcome, response) => return (outcome, response),
@@ -434,12 +461,14 @@ impl<DB: Backend> Idempotency<DB> {
         signal: u64,
         handler: F,
         may_repair: bool,
+        endpoint: &str,
     ) -> Step<F>
     where
         F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
+        let began = Instant::now();
         let mut conn = match self.inner.pool.acquire().await {
             Ok(conn) => conn,
             Err(error) => return self.store_failed(&error).into(),
@@ -492,6 +521,8 @@ impl<DB: Backend> Idempotency<DB> {
         if takeover {
             tracing::info!("taking over a claim whose lock had passed");
         }
+        metrics::claimed(began.elapsed(), endpoint);
+        let _held = metrics::Held::new();
 
         let adopted = Open::adopt(tx);
         let open = Open::new(conn, adopted);
@@ -524,9 +555,11 @@ impl<DB: Backend> Idempotency<DB> {
                     ttl_ms: options.ttl_millis(),
                 };
                 let announce = waits.then_some(signal);
+                let recording = Instant::now();
                 match DB::idem_record(&mut open, sql, id, lease, recorded, announce).await {
                     Ok(true) => match open.commit().await {
                         (conn, Ok(())) => {
+                            metrics::recorded(recording.elapsed(), endpoint);
                             clean = true;
                             committed = true;
                             let outcome = if takeover {
@@ -544,6 +577,7 @@ impl<DB: Backend> Idempotency<DB> {
                         }
                     },
                     Ok(false) => {
+                        tracing::warn!("the claim's lease was lost before the record; rolled back");
                         let conn;
                         (conn, clean) = open.rollback().await;
                         (Outcome::Released, self.lease_expired(), conn)

@@ -13,6 +13,7 @@ mod backend;
 pub mod client;
 mod engine;
 mod key;
+mod metrics;
 mod options;
 mod problem;
 mod record;

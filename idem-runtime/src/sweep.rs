@@ -121,6 +121,7 @@ impl<DB: Backend> Idempotency<DB> {
             let deleted = DB::idem_sweep(&mut conn, &self.inner.sql, limit).await?;
             drop(conn);
             report.deleted += deleted;
+            crate::metrics::swept(deleted);
             report.batches += 1;
             if deleted < u64::from(sweep.batch) {
                 report.caught_up = true;

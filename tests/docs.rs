@@ -31,6 +31,8 @@ fn cited_documents_exist() {
         "docs/contract.md",
         "docs/deployment.md",
         "docs/backends.md",
+        "docs/runbook.md",
+        "idem-runtime/src/backend.rs",
         "idem-runtime/src/engine.rs",
         "idem-runtime/src/key.rs",
         "idem-runtime/src/store.rs",

@@ -163,6 +163,13 @@ impl Server {
         tokio::spawn(async move { axum::serve(listener, router).await });
     }
 
+    async fn keys(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(&self.pool)
+            .await
+            .expect("count keys")
+    }
+
     async fn payments(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM payments")
             .fetch_one(&self.pool)
@@ -283,11 +290,7 @@ async fn server_errors_are_retried_with_the_same_key() {
         1,
         "the failed attempts left nothing"
     );
-    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(&server.pool)
-        .await
-        .expect("count keys");
-    assert_eq!(keys, 1, "one key across all attempts");
+    assert_eq!(server.keys().await, 1, "one key across all attempts");
 }
 
 /// The payment committed but its response was lost: the retry gets the recorded
@@ -464,11 +467,7 @@ mod reqwest_client {
         assert_eq!(answer.receipt.attempts(), 3);
         assert!(answer.receipt.key().is_some_and(|k| k.len() == 34));
         assert_eq!(server.payments().await, 1);
-        let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-            .fetch_one(&server.pool)
-            .await
-            .expect("count keys");
-        assert_eq!(keys, 1, "one key across all attempts");
+        assert_eq!(server.keys().await, 1, "one key across all attempts");
     }
 
     /// A committed payment whose answer was lost comes back as a replay.

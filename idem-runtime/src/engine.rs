@@ -294,7 +294,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// ```
     pub async fn execute<F, B>(
         &self,
-        request: RequestIdentity,
+        mut request: RequestIdentity,
         options: Options,
         handler: F,
     ) -> Response<Bytes>
@@ -315,7 +315,7 @@ impl<DB: Backend> Idempotency<DB> {
         );
         let endpoint = request
             .endpoint
-            .clone()
+            .take()
             .unwrap_or_else(|| request.method.to_string());
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
@@ -331,7 +331,7 @@ impl<DB: Backend> Idempotency<DB> {
         // task would otherwise take by copy through every frame of `spawn`.
         let task = tokio::spawn(Box::pin(
             async move {
-                let (outcome, mut response) = store.run(request, options, handler).await;
+                let (outcome, mut response) = store.run(request, options, handler, &label).await;
                 drop(running);
                 let span = tracing::Span::current();
                 span.record("outcome", outcome.as_str());
@@ -364,6 +364,7 @@ impl<DB: Backend> Idempotency<DB> {
         request: RequestIdentity,
         options: Options,
         handler: F,
+        endpoint: &str,
     ) -> (Outcome, Response<Bytes>)
     where
         F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
@@ -388,10 +389,6 @@ impl<DB: Backend> Idempotency<DB> {
                 Err(error) => self.store_failed(&error),
             };
         };
-        let endpoint = request
-            .endpoint
-            .as_deref()
-            .unwrap_or(request.method.as_str());
         let id = Identity {
             scope: &request.scope,
             key: key.as_str(),

@@ -108,6 +108,9 @@ async fn caught_deadlocks_are_recorded<H: Harness>() {
         .begin_with(H::BEGIN_READ_COMMITTED)
         .await
         .expect("begin");
+    if let Some(outlast) = H::OUTLAST_DEADLOCKS {
+        H::exec(&mut other, outlast, &[]).await.expect(outlast);
+    }
     H::exec(&mut other, "UPDATE stock SET n = n + 10 WHERE id >= 2", &[])
         .await
         .expect("rows 2..12");

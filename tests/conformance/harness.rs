@@ -113,6 +113,11 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// Begins a transaction at READ COMMITTED, whatever the run's default.
     const BEGIN_READ_COMMITTED: &'static str;
 
+    /// Run inside a transaction so that a deadlock it joins is broken in the other
+    /// session. PostgreSQL aborts whichever session checks first, after its
+    /// `deadlock_timeout`; under load the later waiter can check first.
+    const OUTLAST_DEADLOCKS: Option<&'static str> = None;
+
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
 

@@ -45,6 +45,9 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     const BEGIN_READ_COMMITTED: &'static str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
+    // Superuser-only; the tests connect as one.
+    const OUTLAST_DEADLOCKS: Option<&'static str> = Some("SET LOCAL deadlock_timeout = '60s'");
+
     fn direct_pool(&self) -> &PgPool {
         &self.direct
     }

@@ -10,7 +10,10 @@
 //!
 //! Environment: `DATABASE_URL` (default `sqlite://payments.db`, created and migrated
 //! at start; for `demo`, a scratch SQLite file), `BIND` (default `127.0.0.1:3000`;
-//! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25).
+//! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25),
+//! `PROVIDER_DATABASE_URL` (where the fake provider keeps its charges, a database of
+//! the same kind; default `DATABASE_URL`, or on SQLite a file beside it: a provider
+//! is another company's system, and a failover of yours does not take its charges).
 //!
 //! SIGTERM or Ctrl-C shuts it down gracefully (`idem::Shutdown`): payments in flight
 //! finish and are recorded, new ones are answered 503 `shutting-down` until it exits.
@@ -309,6 +312,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => 300,
     };
     let latency = Duration::from_millis(latency);
+    let provider_url = std::env::var("PROVIDER_DATABASE_URL").ok();
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let addr = listener.local_addr()?;
 
@@ -325,7 +329,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .await?;
             let provider = PgPoolOptions::new()
                 .max_connections(8)
-                .connect(&url)
+                .connect(&provider_url.unwrap_or_else(|| url.clone()))
                 .await?;
             (
                 App::<Postgres>::start(pool, provider, latency).await?,
@@ -339,9 +343,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .max_connections(32)
                 .connect(&url)
                 .await?;
+            let provider = provider_url.map(|u| u.replacen("mariadb:", "mysql:", 1));
             let provider = MySqlPoolOptions::new()
                 .max_connections(8)
-                .connect(&url)
+                .connect(provider.as_deref().unwrap_or(&url))
                 .await?;
             (
                 App::<MySql>::start(pool, provider, latency).await?,
@@ -353,11 +358,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             use std::str::FromStr as _;
             let options = SqliteConnectOptions::from_str(&url)?;
             // The provider's ledger sits beside the database, in a file of its own.
-            let mut provider_path = options.get_filename().as_os_str().to_owned();
-            provider_path.push("-provider");
+            let provider = match provider_url {
+                Some(url) => SqliteConnectOptions::from_str(&url)?,
+                None => {
+                    let mut path = options.get_filename().as_os_str().to_owned();
+                    path.push("-provider");
+                    SqliteConnectOptions::new().filename(path)
+                }
+            };
             let pool = sqlite_pool(options, 8).await?;
-            let provider =
-                sqlite_pool(SqliteConnectOptions::new().filename(provider_path), 2).await?;
+            let provider = sqlite_pool(provider, 2).await?;
             (
                 App::<Sqlite>::start(pool, provider, latency).await?,
                 "SQLite",

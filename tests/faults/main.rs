@@ -8,6 +8,9 @@
 //!                                                  # killed, locked, pool, storm,
 //!                                                  # hostile or restart
 //! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers
+//! IDEM_FAULTS_ONLY=failover cargo test --all-features --test faults
+//!                  # PostgreSQL under Patroni, failed over (opt-in: needs root and
+//!                  # the packages patroni, etcd-server and haproxy)
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -15,13 +18,19 @@
 //! attempt counted), business effects, provider charges, double effects. The run
 //! fails on any double effect, lost record or unexpected answer. A server that
 //! cannot be reached is SKIPPED, except under `CI=true`, where that fails too.
+//!
+//! The failover scenario (`failover.rs`) runs only when named: it builds a
+//! replicated PostgreSQL of its own, once with synchronous replication and once
+//! with asynchronous, and prints a table of its own.
 
 #![allow(missing_docs, unreachable_pub)]
 
 #[path = "../support/example.rs"]
 mod example;
 
+mod cluster;
 mod db;
+mod failover;
 mod proc;
 mod scenarios;
 mod server;
@@ -116,6 +125,27 @@ async fn run() -> ExitCode {
     let only = std::env::var("IDEM_FAULTS_ONLY").ok();
     let started = Instant::now();
     let mut rows = Vec::new();
+    if only.as_deref() == Some("failover") {
+        for synchronous in [true, false] {
+            let began = Instant::now();
+            let row = failover::failover(synchronous).await;
+            eprintln!(
+                "{}: {} in {:.1} s",
+                row.scenario,
+                if row.problems.is_empty() {
+                    "ok"
+                } else {
+                    "FAILED"
+                },
+                began.elapsed().as_secs_f64()
+            );
+            rows.push(row);
+        }
+    } else {
+        eprintln!(
+            "failover: not run (IDEM_FAULTS_ONLY=failover runs it; needs patroni, etcd-server, haproxy)"
+        );
+    }
     for scenario in [
         Scenario::Crash,
         Scenario::Sigterm,
@@ -173,6 +203,7 @@ async fn run() -> ExitCode {
             row.note
         );
     }
+    failover::print_table(&rows);
     println!(
         "\n{} rows in {:.0} s",
         rows.len(),

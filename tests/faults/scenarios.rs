@@ -46,6 +46,8 @@ pub struct Row {
     pub doubles: u64,
     pub problems: Vec<String>,
     pub note: String,
+    /// The failover scenario's figures.
+    pub failover: Option<crate::failover::Figures>,
 }
 
 impl Row {
@@ -59,10 +61,11 @@ impl Row {
             doubles: 0,
             problems: Vec::new(),
             note: String::new(),
+            failover: None,
         }
     }
 
-    fn check(&mut self, ok: bool, problem: impl FnOnce() -> String) {
+    pub fn check(&mut self, ok: bool, problem: impl FnOnce() -> String) {
         if !ok {
             self.problems.push(problem());
         }
@@ -88,7 +91,7 @@ impl Row {
         }
     }
 
-    fn failed(mut self, problem: String) -> Self {
+    pub fn failed(mut self, problem: String) -> Self {
         self.problems.push(problem);
         self
     }
@@ -120,7 +123,7 @@ fn payment(i: u64) -> (String, String, String) {
     (user, key, body)
 }
 
-fn pay_headers(user: &str, key: &str) -> Vec<(&'static str, String)> {
+pub fn pay_headers(user: &str, key: &str) -> Vec<(&'static str, String)> {
     vec![
         ("authorization", format!("Bearer {user}")),
         ("idempotency-key", key.to_owned()),
@@ -207,7 +210,7 @@ pub async fn crash(db: &Fresh, scale: &Scale) -> Row {
     }
 
     // What the databases hold.
-    if let Err(error) = check_ledger(&mut row, &app.addr, "crash-u", scale.crash_keys).await {
+    if let Err(error) = check_ledger(&mut row, &app.addr, "crash-u", 4, scale.crash_keys).await {
         return row.failed(error);
     }
     row.note = format!("{before} answered before the kill; narrow window replayed");
@@ -215,12 +218,13 @@ pub async fn crash(db: &Fresh, scale: &Scale) -> Row {
 }
 
 /// Checks what the payments example's databases hold for the users `prefix0` to
-/// `prefix3`: `expected` payments and charges, each charge paid once, balances
-/// that add up.
-async fn check_ledger(
+/// `prefix{users - 1}`: `expected` payments and charges, each charge paid once,
+/// balances that add up.
+pub async fn check_ledger(
     row: &mut Row,
     addr: &str,
     prefix: &str,
+    users: u64,
     expected: u64,
 ) -> Result<(), String> {
     let all = get_json(addr, "/provider/charges", None).await?;
@@ -232,7 +236,7 @@ async fn check_ledger(
         .collect();
     row.charges = Some(charged.len() as u64);
     let mut paid: BTreeMap<String, u64> = BTreeMap::new();
-    for n in 0..4 {
+    for n in 0..users {
         let user = format!("{prefix}{n}");
         let ledger = get_json(addr, "/payments", Some(&user)).await?;
         let payments = ledger["payments"].as_array().cloned().unwrap_or_default();
@@ -362,7 +366,7 @@ pub async fn sigterm(db: &Fresh) -> Row {
             Err(error) => row.problems.push(format!("{key}: {error}")),
         }
     }
-    if let Err(error) = check_ledger(&mut row, &app.addr, "term-u", keys + 1).await {
+    if let Err(error) = check_ledger(&mut row, &app.addr, "term-u", 4, keys + 1).await {
         return row.failed(error);
     }
     row.note = format!(

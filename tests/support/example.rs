@@ -20,21 +20,48 @@ pub(crate) fn quickstart() -> PathBuf {
     BUILT.get_or_init(|| build("quickstart", "sqlite")).clone()
 }
 
-fn build(example: &str, features: &str) -> PathBuf {
+/// The operator's tool, `idem` (crate `idem-cli`).
+#[allow(dead_code)] // only the fault suite runs it
+pub(crate) fn cli() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let profile_dir = profile_dir();
+            cargo_build(
+                &["-p", "idem-cli", "--bin", "idem"],
+                &profile_dir,
+                "idem-cli",
+            );
+            profile_dir.join("idem")
+        })
+        .clone()
+}
+
+fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test exe");
-    let profile_dir = exe
-        .parent()
+    exe.parent()
         .and_then(|deps| deps.parent())
-        .expect("target dir");
+        .expect("target dir")
+        .to_path_buf()
+}
+
+fn cargo_build(args: &[&str], profile_dir: &std::path::Path, what: &str) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = Command::new(cargo);
     build
-        .args(["build", "--example", example, "--features", features])
+        .arg("build")
+        .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"));
     if profile_dir.ends_with("release") {
         build.arg("--release");
     }
     let status = build.status().expect("run cargo build");
-    assert!(status.success(), "building the {example} example failed");
+    assert!(status.success(), "building {what} failed");
+}
+
+fn build(example: &str, features: &str) -> PathBuf {
+    let profile_dir = profile_dir();
+    let args = ["--example", example, "--features", features];
+    cargo_build(&args, &profile_dir, &format!("the {example} example"));
     profile_dir.join("examples").join(example)
 }

@@ -37,8 +37,11 @@
 //! connection with a round trip when it is taken and when it is given back), both
 //! counted in a separate short pass, and for the storms how many keys executed more
 //! than once. Then `pgbench`'s rate for the bare transaction, as the database's own
-//! reference. A Markdown table goes to stdout and a bar chart to
-//! `target/idem-bench-http.svg`. Run with no `--bench` argument (as `cargo test
+//! reference. A Markdown table goes to stdout, every row as JSON to
+//! `target/idem-bench-http.json` (`backend`, `variant`, `req_s`, `x_bare`, `p50_ms`,
+//! `p99_ms`, `keys_run_twice`), and a chart of × bare to
+//! `target/idem-bench-http.svg`, a variant that ran keys twice drawn red with its
+//! count. Run with no `--bench` argument (as `cargo test
 //! --bench http` does) it takes a short setting, to check that it runs.
 
 #![allow(missing_docs)]
@@ -764,26 +767,76 @@ async fn growth(settings: &Settings, url: &str, admin: &PgPool) {
     }
 }
 
-fn chart(rows: &[Row]) -> String {
-    let max = rows.iter().map(|r| r.rate).fold(1.0, f64::max);
-    let (bar, gap, left, width) = (28.0, 10.0, 150.0, 520.0);
-    let height = rows.len() as f64 * (bar + gap) + 50.0;
+/// Every row as JSON, one object per backend and variant.
+fn json(backend: &str, rows: &[Row]) -> String {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|row| {
+            serde_json::json!({
+                "backend": backend,
+                "variant": row.variant,
+                "req_s": (row.rate * 10.0).round() / 10.0,
+                "x_bare": (row.ratio * 1000.0).round() / 1000.0,
+                "p50_ms": (row.p50.as_secs_f64() * 1e5).round() / 100.0,
+                "p99_ms": (row.p99.as_secs_f64() * 1e5).round() / 100.0,
+                "keys_run_twice": row.doubled,
+            })
+        })
+        .collect();
+    serde_json::to_string_pretty(&rows).unwrap_or_default()
+}
+
+/// Requests/s as a multiple of `bare`, one group of bars per backend; a variant
+/// that ran keys twice is drawn red and says how many, since its speed was bought
+/// with double charges. Every label stays inside the picture.
+fn chart(groups: &[(&str, &[Row])]) -> String {
+    let max = groups
+        .iter()
+        .flat_map(|(_, rows)| rows.iter())
+        .map(|r| r.ratio)
+        .fold(1.0, f64::max);
+    let (bar, gap, head) = (24.0, 8.0, 30.0);
+    let (left, width, label) = (190.0, 420.0, 290.0);
+    let bars: usize = groups.iter().map(|(_, rows)| rows.len()).sum();
+    let height = 40.0 + groups.len() as f64 * head + bars as f64 * (bar + gap) + 20.0;
+    let total = left + width + label;
     let mut svg = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"13\">\n\
-         <text x=\"10\" y=\"20\" font-weight=\"bold\">idem over HTTP on PostgreSQL: requests/s</text>\n",
-        left + width + 120.0
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{total}\" height=\"{height}\" \
+         viewBox=\"0 0 {total} {height}\" font-family=\"sans-serif\" font-size=\"13\">\n\
+         <text x=\"10\" y=\"22\" font-weight=\"bold\">idem over HTTP: requests/s as a multiple of bare (1.0, dashed)</text>\n"
     );
-    for (i, row) in rows.iter().enumerate() {
-        let y = 35.0 + i as f64 * (bar + gap);
-        let w = row.rate / max * width;
+    let one = left + width / max;
+    let mut y = 40.0;
+    for (backend, rows) in groups {
         svg.push_str(&format!(
-            "<text x=\"10\" y=\"{:.1}\">{}</text><rect x=\"{left}\" y=\"{y}\" width=\"{w:.1}\" height=\"{bar}\" fill=\"#3b6ea8\"/>\
-             <text x=\"{:.1}\" y=\"{:.1}\">{:.0}</text>\n",
-            y + bar * 0.65,
-            row.variant,
-            left + w + 6.0,
-            y + bar * 0.65,
-            row.rate
+            "<text x=\"10\" y=\"{:.1}\" font-weight=\"bold\">{backend}</text>\n",
+            y + 18.0
+        ));
+        let top = y + head;
+        y = top;
+        for row in *rows {
+            let w = (row.ratio / max * width).max(1.0);
+            let doubled = row.doubled.unwrap_or(0);
+            let (fill, note) = if doubled > 0 {
+                ("#c0392b", format!(" ({doubled} keys run twice)"))
+            } else {
+                ("#3b6ea8", String::new())
+            };
+            let text_y = y + bar * 0.68;
+            svg.push_str(&format!(
+                "<text x=\"10\" y=\"{text_y:.1}\">{}</text>\
+                 <rect x=\"{left}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"{bar}\" fill=\"{fill}\"/>\
+                 <text x=\"{:.1}\" y=\"{text_y:.1}\">×{:.2}, {:.0}/s{note}</text>\n",
+                row.variant,
+                left + w + 6.0,
+                row.ratio,
+                row.rate,
+            ));
+            y += bar + gap;
+        }
+        svg.push_str(&format!(
+            "<line x1=\"{one:.1}\" y1=\"{top:.1}\" x2=\"{one:.1}\" y2=\"{:.1}\" stroke=\"#333\" stroke-dasharray=\"4 3\"/>\n",
+            y - gap
         ));
     }
     svg.push_str("</svg>\n");
@@ -929,9 +982,14 @@ fn main() {
         let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
         let _ = std::fs::create_dir_all(&target);
         let svg = target.join("idem-bench-http.svg");
-        match std::fs::write(&svg, chart(&rows)) {
+        match std::fs::write(&svg, chart(&[("PostgreSQL", &rows)])) {
             Ok(()) => println!("\nchart: {}", svg.display()),
             Err(error) => eprintln!("chart: {error}"),
+        }
+        let data = target.join("idem-bench-http.json");
+        match std::fs::write(&data, json("postgres", &rows)) {
+            Ok(()) => println!("rows: {}", data.display()),
+            Err(error) => eprintln!("rows: {error}"),
         }
         if args.iter().any(|a| a == "--growth") {
             growth(&settings, &url, &admin).await;

@@ -1,16 +1,22 @@
 //! The price of exactly-once over HTTP, side by side with the alternatives, on
-//! PostgreSQL.
+//! PostgreSQL, MySQL/MariaDB and SQLite.
 //!
 //! ```text
 //! cargo bench --all-features --bench http                            # 3 rounds, 5 s per variant, 32 connections
+//! cargo bench --all-features --bench http -- --backends mysql,sqlite   # default: postgres,mysql,sqlite
 //! cargo bench --all-features --bench http -- --secs 2 --connections 16 --rounds 1
 //! cargo bench --all-features --bench http -- --only idem-first,idem-replay   # and `bare`
 //! cargo bench --all-features --bench http -- --growth              # also with 10^4..10^6 keys stored
 //! ```
 //!
+//! Each backend is measured on its own, every run in a schema (PostgreSQL), a
+//! database (MySQL/MariaDB) or a file (SQLite, WAL, `synchronous = NORMAL`) of its
+//! own. The hand-written floor, the cold replays, the peer crate, pgbench and the
+//! growth runs exist for PostgreSQL only so far.
+//!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
-//! with `IDEM_BENCH_ROLE=server`), driven by the same load: keep-alive HTTP/1.1
+//! with `IDEM_BENCH_ROLE=server` and `BACKEND`), driven by the same load: keep-alive HTTP/1.1
 //! connections on loopback, one request in flight each, a one-second warm-up, then
 //! a fixed duration. Rounds run every variant in turn; ratios to `bare` are taken
 //! within a round, and the round with the median ratio is reported.
@@ -33,16 +39,16 @@
 //! Reported per variant: requests/s, p50/p99 latency, ratio to `bare`, the server
 //! process's CPU time per request and peak RSS, statements per request (sqlx's
 //! events) and round trips per request (data segments the server sent to
-//! PostgreSQL and Redis, by `ss`; sqlx sends BEGIN alone and its pool checks a
-//! connection with a round trip when it is taken and when it is given back), both
-//! counted in a separate short pass, and for the storms how many keys executed more
-//! than once. Then `pgbench`'s rate for the bare transaction, as the database's own
-//! reference. A Markdown table goes to stdout, every row as JSON to
-//! `target/idem-bench-http.json` (`backend`, `variant`, `req_s`, `x_bare`, `p50_ms`,
-//! `p99_ms`, `keys_run_twice`), and a chart of × bare to
-//! `target/idem-bench-http.svg`, a variant that ran keys twice drawn red with its
-//! count. Run with no `--bench` argument (as `cargo test
-//! --bench http` does) it takes a short setting, to check that it runs.
+//! PostgreSQL, MySQL and Redis, by `ss`, none on SQLite, which runs in the server;
+//! sqlx sends BEGIN alone and its pool checks a connection with a round trip when
+//! it is taken and when it is given back), both counted in a separate short pass,
+//! and for the storms how many keys executed more than once. Then `pgbench`'s rate
+//! for the bare transaction, as the database's own reference. A Markdown table goes
+//! to stdout, every row as JSON to `target/idem-bench-http.json` (`backend`,
+//! `variant`, `req_s`, `x_bare`, `p50_ms`, `p99_ms`, `keys_run_twice`), and a chart
+//! of × bare to `target/idem-bench-http.svg`, a variant that ran keys twice drawn
+//! red with its count. Run with no `--bench` argument (as `cargo test --bench http`
+//! does) it takes a short setting, to check that it runs.
 
 #![allow(missing_docs)]
 
@@ -58,18 +64,23 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::rt::TokioIo;
 use idem::{Idempotency, Tx, idempotent};
+use sqlx::mysql::{MySqlConnection, MySqlPoolOptions};
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite};
+use std::str::FromStr as _;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
-use shop::{NewPayment, failed, insert, key_of};
+use shop::{NewPayment, Payment, Shop, failed, key_of};
 
 const ROLE: &str = "IDEM_BENCH_ROLE";
 const STORM_DUPLICATES: u64 = 8;
@@ -78,32 +89,41 @@ const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 // ---------------------------------------------------------------------------------
 // The server
 
-#[derive(Clone)]
-struct App {
-    pool: PgPool,
-    idempotency: Idempotency<Postgres>,
+struct App<DB: idem::Backend> {
+    pool: Pool<DB>,
+    idempotency: Idempotency<DB>,
     redis: Arc<Redis>,
 }
 
-impl axum::extract::FromRef<App> for PgPool {
-    fn from_ref(app: &App) -> Self {
+impl<DB: idem::Backend> Clone for App<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            idempotency: self.idempotency.clone(),
+            redis: Arc::clone(&self.redis),
+        }
+    }
+}
+
+impl<DB: idem::Backend> axum::extract::FromRef<App<DB>> for Pool<DB> {
+    fn from_ref(app: &App<DB>) -> Self {
         app.pool.clone()
     }
 }
 
-impl axum::extract::FromRef<App> for Idempotency<Postgres> {
-    fn from_ref(app: &App) -> Self {
+impl<DB: idem::Backend> axum::extract::FromRef<App<DB>> for Idempotency<DB> {
+    fn from_ref(app: &App<DB>) -> Self {
         app.idempotency.clone()
     }
 }
 
 #[idempotent(unscoped = true, required = true)]
-async fn idem(
+async fn idem<DB: idem::Backend + Shop>(
     key: idem::IdempotencyKey,
-    mut tx: Tx<Postgres>,
+    mut tx: Tx<DB>,
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
-    match insert(&mut tx, key.as_str(), &new).await {
+    match DB::insert(&mut tx, key.as_str(), &new).await {
         Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
         Err(error) => failed(error),
     }
@@ -112,7 +132,11 @@ async fn idem(
 /// The floor of idem's design for a new key, by hand: in one transaction, one
 /// statement that reads the key and, when absent, claims it under an advisory
 /// try-lock; the write; the record.
-async fn hand_written(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+async fn hand_written(
+    State(app): State<App<Postgres>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let key = key_of(&headers);
     let run = async {
         let Ok(new) = serde_json::from_slice::<NewPayment>(&body) else {
@@ -146,7 +170,7 @@ async fn hand_written(State(app): State<App>, headers: HeaderMap, body: Bytes) -
             }
             _ => return Ok((StatusCode::CONFLICT, Vec::new())),
         }
-        let payment = insert(&mut tx, &key, &new).await?;
+        let payment = Postgres::insert(&mut tx, &key, &new).await?;
         let out = serde_json::to_vec(&payment).unwrap_or_default();
         sqlx::query(
             "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
@@ -169,8 +193,8 @@ async fn hand_written(State(app): State<App>, headers: HeaderMap, body: Bytes) -
 
 /// The cached-response pattern: look up, run, store after the fact. Two requests
 /// with one key that arrive together both miss, and both run.
-async fn naive_cache(
-    State(app): State<App>,
+async fn naive_cache<DB: idem::Backend + Shop>(
+    State(app): State<App<DB>>,
     headers: HeaderMap,
     json: axum::Json<NewPayment>,
 ) -> Response {
@@ -187,7 +211,7 @@ async fn naive_cache(
         Ok(None) => {}
         Err(error) => return (StatusCode::SERVICE_UNAVAILABLE, error).into_response(),
     }
-    let response = shop::pay(State(app.pool.clone()), headers, json).await;
+    let response = shop::pay::<DB>(State(app.pool.clone()), headers, json).await;
     let (parts, body) = response.into_parts();
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
@@ -202,24 +226,106 @@ async fn naive_cache(
 }
 
 async fn serve() -> Result<(), Box<dyn std::error::Error>> {
-    let (pool, size) = shop::pool_from_env().await?;
+    match std::env::var("BACKEND").as_deref() {
+        Ok("mysql") => {
+            let size: u32 = std::env::var("POOL")?.parse()?;
+            let _ = tracing::subscriber::set_global_default(shop::StatementCounter);
+            let pool = MySqlPoolOptions::new()
+                .max_connections(size)
+                .min_connections(size)
+                .connect(&std::env::var("DATABASE_URL")?)
+                .await?;
+            serve_on(pool, size as usize, None).await
+        }
+        Ok("sqlite") => {
+            let size: u32 = std::env::var("POOL")?.parse()?;
+            let _ = tracing::subscriber::set_global_default(shop::StatementCounter);
+            let options = SqliteConnectOptions::from_str(&std::env::var("DATABASE_URL")?)?
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Normal)
+                .busy_timeout(Duration::from_secs(30));
+            let pool = SqlitePoolOptions::new()
+                .max_connections(size)
+                .min_connections(size)
+                .connect_with(options)
+                .await?;
+            serve_on(pool, size as usize, None).await
+        }
+        _ => {
+            let (pool, size) = shop::pool_from_env().await?;
+            serve_on(pool, size, Some(post(hand_written))).await
+        }
+    }
+}
+
+/// Serves the variant `VARIANT` asks for; `hand_written`, where that backend has one.
+async fn serve_on<DB: idem::Backend + Shop>(
+    pool: Pool<DB>,
+    size: usize,
+    hand_written: Option<MethodRouter<App<DB>>>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let app = App {
         idempotency: Idempotency::new(pool.clone()),
         pool,
         redis: Arc::new(Redis::new("127.0.0.1:6379", size)),
     };
     let handler = match std::env::var("VARIANT")?.as_str() {
-        "bare" => post(shop::pay),
-        "hand-written" => post(hand_written),
-        "naive-cache" => post(naive_cache),
-        _ => post(idem),
+        "bare" => post(shop::pay::<DB>),
+        "hand-written" => hand_written.ok_or("no hand-written floor for this backend")?,
+        "naive-cache" => post(naive_cache::<DB>),
+        _ => post(idem::<DB>),
     };
     let router = Router::new()
         .route("/payments", handler)
         .route("/counting", post(shop::counting))
-        .route("/stats", get(shop::stats))
+        .route("/stats", get(shop::stats::<DB>))
         .with_state(app);
     shop::serve(router).await
+}
+
+impl Shop for MySql {
+    async fn insert(
+        conn: &mut MySqlConnection,
+        note: &str,
+        new: &NewPayment,
+    ) -> Result<Payment, sqlx::Error> {
+        let done = sqlx::query("INSERT INTO payments (note, amount, currency) VALUES (?, ?, ?)")
+            .bind(note)
+            .bind(new.amount)
+            .bind(&new.currency)
+            .execute(conn)
+            .await?;
+        Ok(Payment::of(
+            i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX),
+            new,
+        ))
+    }
+
+    async fn counts(pool: &Pool<Self>) -> Result<(i64, i64), sqlx::Error> {
+        sqlx::query_as(shop::COUNTS).fetch_one(pool).await
+    }
+}
+
+impl Shop for Sqlite {
+    async fn insert(
+        conn: &mut SqliteConnection,
+        note: &str,
+        new: &NewPayment,
+    ) -> Result<Payment, sqlx::Error> {
+        let id = sqlx::query_scalar(
+            "INSERT INTO payments (note, amount, currency) VALUES (?1, ?2, ?3) RETURNING id",
+        )
+        .bind(note)
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(conn)
+        .await?;
+        Ok(Payment::of(id, new))
+    }
+
+    async fn counts(pool: &Pool<Self>) -> Result<(i64, i64), sqlx::Error> {
+        sqlx::query_as(shop::COUNTS).fetch_one(pool).await
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -303,7 +409,7 @@ impl Drop for Server {
 }
 
 impl Server {
-    async fn start(variant: &str, url: &str, schema: &str, pool: usize) -> Server {
+    async fn start(variant: &str, target: &Target, url: &str, schema: &str, pool: usize) -> Server {
         let exe = if variant == "peer" {
             peer_exe()
         } else {
@@ -312,6 +418,7 @@ impl Server {
         let mut child = std::process::Command::new(exe)
             .env(ROLE, "server")
             .env("VARIANT", variant)
+            .env("BACKEND", target.name())
             .env("DATABASE_URL", url)
             .env("SCHEMA", schema)
             .env("POOL", pool.to_string())
@@ -346,11 +453,15 @@ impl Server {
         (ticks(11) + ticks(12)) / 100.0
     }
 
-    /// Data segments the process has sent to PostgreSQL and Redis, by the kernel's
-    /// count (`ss`): a client flushes each request whole, so one per round trip.
+    /// Data segments the process has sent to PostgreSQL, MySQL and Redis, by the
+    /// kernel's count (`ss`): a client flushes each request whole, so one per round
+    /// trip. SQLite runs in the process: none.
     fn segments_out(&self) -> u64 {
         let Ok(out) = std::process::Command::new("ss")
-            .args(["-tinpH", "( dport = :5432 or dport = :6379 )"])
+            .args([
+                "-tinpH",
+                "( dport = :5432 or dport = :3306 or dport = :6379 )",
+            ])
             .output()
         else {
             return 0;
@@ -499,14 +610,14 @@ async fn run_variant(
     settings: &Settings,
     variant: &'static str,
     serves: &'static str,
-    url: &str,
-    admin: &PgPool,
+    target: &Target,
     prefill: u64,
     round: u64,
 ) -> Row {
     let schema = format!(
-        "idem_bench_http_{}_{}_{prefill}_{round}",
+        "idem_bench_http_{}_{}_{}_{prefill}_{round}",
         std::process::id(),
+        target.name(),
         variant.replace('-', "_")
     );
     let cold = variant == "idem-replay-cold";
@@ -516,39 +627,8 @@ async fn run_variant(
     } else {
         prefill
     };
-    create_schema(admin, &schema).await;
-    let migration = idem::Idempotency::new(admin.clone()).migration_sql();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "SET search_path = {schema}; {migration}"
-    )))
-    .execute(admin)
-    .await
-    .expect("migrate");
-    // Completed keys already in the table, written by no server: the ones the
-    // growth runs and `idem-replay-cold` replay.
-    if stored > 0 {
-        let response = br#"{"id":1,"amount":100,"currency":"JPY"}"#;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {schema}.idempotency_keys (scope, idempotency_key, state, lease, method, \
-                 path, fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-             SELECT '', $1 || g, 'completed', g, 'POST', '/payments', $2, 201, \
-                 'content-type: application/json\r\n'::bytea, $3, now(), \
-                 now() + interval '1 day', now() \
-             FROM generate_series(0, $4 - 1) AS g"
-        )))
-        .bind(format!("{schema}-replay-"))
-        .bind(&idem::fingerprint(BODY.as_bytes())[..])
-        .bind(&response[..])
-        .bind(i64::try_from(stored).unwrap_or(i64::MAX))
-        .execute(admin)
-        .await
-        .expect("prefill");
-        sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {schema}.idempotency_keys")))
-            .execute(admin)
-            .await
-            .expect("analyze");
-    }
-    let server = Server::start(serves, url, &schema, settings.connections).await;
+    let url = target.prepare(&schema, stored).await;
+    let server = Server::start(serves, target, &url, &schema, settings.connections).await;
     let path = "/payments";
     // One session for all of the peer's clients, as for one user's retries.
     let cookie = if serves == "peer" {
@@ -658,13 +738,7 @@ async fn run_variant(
     } else {
         None
     };
-    let (bytes, keys): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT pg_total_relation_size('{schema}.idempotency_keys'), \
-                (SELECT count(*) FROM {schema}.idempotency_keys)"
-    )))
-    .fetch_one(admin)
-    .await
-    .unwrap_or((0, 0));
+    let (bytes, keys) = target.inspect(&schema).await;
     if cold && u64::try_from(keys).unwrap_or(0) > stored {
         eprintln!("{variant}: ran out of stored keys; the table grew to {keys}");
     }
@@ -672,7 +746,9 @@ async fn run_variant(
         variant,
         prefill,
         keys,
-        mib_per_million: (keys > 0).then(|| bytes as f64 / 1_048_576.0 / keys as f64 * 1e6),
+        mib_per_million: bytes
+            .filter(|_| keys > 0)
+            .map(|bytes| bytes as f64 / 1_048_576.0 / keys as f64 * 1e6),
         requests,
         rate: requests as f64 / settings.secs as f64,
         p50: pick(0.5),
@@ -686,10 +762,222 @@ async fn run_variant(
         ratio: 1.0,
     };
     drop(server);
-    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(admin)
-        .await;
+    target.drop_run(&schema).await;
     row
+}
+
+/// A database the bench runs on, and how it gives each run one of its own: a
+/// schema on PostgreSQL, a database on MySQL/MariaDB, a file on SQLite.
+enum Target {
+    Postgres { url: String, admin: PgPool },
+    MySql { url: String, admin: MySqlPool },
+    Sqlite { dir: std::path::PathBuf },
+}
+
+impl Target {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Postgres { .. } => "postgres",
+            Self::MySql { .. } => "mysql",
+            Self::Sqlite { .. } => "sqlite",
+        }
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Postgres { .. } => "PostgreSQL",
+            Self::MySql { .. } => "MySQL/MariaDB",
+            Self::Sqlite { .. } => "SQLite",
+        }
+    }
+
+    /// `Err` when the server cannot be reached (the caller says so).
+    async fn connect(name: &str) -> Result<Self, String> {
+        match name {
+            "postgres" => {
+                let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+                let admin = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .map_err(|e| format!("PostgreSQL not reachable at {url}: {e}"))?;
+                Ok(Self::Postgres { url, admin })
+            }
+            "mysql" => {
+                let url = std::env::var("IDEM_TEST_MYSQL_URL")
+                    .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+                let admin = MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .map_err(|e| format!("MySQL not reachable at {url}: {e}"))?;
+                Ok(Self::MySql { url, admin })
+            }
+            "sqlite" => Ok(Self::Sqlite {
+                dir: std::env::temp_dir(),
+            }),
+            other => Err(format!("unknown backend {other:?}")),
+        }
+    }
+
+    /// Creates the run's schema, database or file with the business table and the
+    /// key table, `stored` completed keys in it (PostgreSQL only); the URL its
+    /// server connects to.
+    async fn prepare(&self, schema: &str, stored: u64) -> String {
+        let payments = "CREATE TABLE payments (id {id}, note TEXT NOT NULL, amount BIGINT NOT NULL, \
+             currency TEXT NOT NULL)";
+        match self {
+            Self::Postgres { url, admin } => {
+                create_schema(admin, schema).await;
+                let migration = idem::Idempotency::new(admin.clone()).migration_sql();
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "SET search_path = {schema}; {migration}"
+                )))
+                .execute(admin)
+                .await
+                .expect("migrate");
+                if stored > 0 {
+                    prefill(admin, schema, stored).await;
+                }
+                url.clone()
+            }
+            Self::MySql { url, admin } => {
+                assert_eq!(stored, 0, "stored keys are prefilled on PostgreSQL only");
+                sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {schema}")))
+                    .execute(admin)
+                    .await
+                    .expect("database");
+                let url = match url.rsplit_once('/') {
+                    Some((server, _)) => format!("{server}/{schema}"),
+                    None => format!("{url}/{schema}"),
+                };
+                let pool = MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .expect("the run's database");
+                let create = payments.replace("{id}", "BIGINT AUTO_INCREMENT PRIMARY KEY");
+                sqlx::raw_sql(AssertSqlSafe(create))
+                    .execute(&pool)
+                    .await
+                    .expect("payments");
+                Idempotency::new(pool.clone())
+                    .migrate()
+                    .await
+                    .expect("migrate");
+                pool.close().await;
+                url
+            }
+            Self::Sqlite { dir } => {
+                assert_eq!(stored, 0, "stored keys are prefilled on PostgreSQL only");
+                let file = dir.join(format!("{schema}.db"));
+                let options = SqliteConnectOptions::new()
+                    .filename(&file)
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal);
+                let pool = SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .connect_with(options)
+                    .await
+                    .expect("the run's file");
+                let create = payments.replace("{id}", "INTEGER PRIMARY KEY AUTOINCREMENT");
+                sqlx::raw_sql(AssertSqlSafe(create))
+                    .execute(&pool)
+                    .await
+                    .expect("payments");
+                Idempotency::new(pool.clone())
+                    .migrate()
+                    .await
+                    .expect("migrate");
+                pool.close().await;
+                format!("sqlite://{}", file.display())
+            }
+        }
+    }
+
+    /// The key table's size in bytes with its indexes (not on SQLite), and its rows.
+    async fn inspect(&self, schema: &str) -> (Option<i64>, i64) {
+        match self {
+            Self::Postgres { admin, .. } => {
+                let (bytes, keys): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT pg_total_relation_size('{schema}.idempotency_keys'), \
+                            (SELECT count(*) FROM {schema}.idempotency_keys)"
+                )))
+                .fetch_one(admin)
+                .await
+                .unwrap_or((0, 0));
+                (Some(bytes), keys)
+            }
+            Self::MySql { admin, .. } => {
+                let keys: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT count(*) FROM {schema}.idempotency_keys"
+                )))
+                .fetch_one(admin)
+                .await
+                .unwrap_or(0);
+                (None, keys)
+            }
+            Self::Sqlite { dir } => {
+                let file = dir.join(format!("{schema}.db"));
+                let options = SqliteConnectOptions::new().filename(&file);
+                let Ok(pool) = SqlitePoolOptions::new().connect_with(options).await else {
+                    return (None, 0);
+                };
+                let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or(0);
+                pool.close().await;
+                (None, keys)
+            }
+        }
+    }
+
+    async fn drop_run(&self, schema: &str) {
+        match self {
+            Self::Postgres { admin, .. } => {
+                let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                    .execute(admin)
+                    .await;
+            }
+            Self::MySql { admin, .. } => {
+                let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {schema}")))
+                    .execute(admin)
+                    .await;
+            }
+            Self::Sqlite { dir } => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(dir.join(format!("{schema}.db{suffix}")));
+                }
+            }
+        }
+    }
+}
+
+/// Completed keys already in the table, written by no server: the ones the
+/// growth runs and `idem-replay-cold` replay.
+async fn prefill(admin: &PgPool, schema: &str, stored: u64) {
+    let response = br#"{"id":1,"amount":100,"currency":"JPY"}"#;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.idempotency_keys (scope, idempotency_key, state, lease, method, \
+             path, fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         SELECT '', $1 || g, 'completed', g, 'POST', '/payments', $2, 201, \
+             'content-type: application/json\r\n'::bytea, $3, now(), \
+             now() + interval '1 day', now() \
+         FROM generate_series(0, $4 - 1) AS g"
+    )))
+    .bind(format!("{schema}-replay-"))
+    .bind(&idem::fingerprint(BODY.as_bytes())[..])
+    .bind(&response[..])
+    .bind(i64::try_from(stored).unwrap_or(i64::MAX))
+    .execute(admin)
+    .await
+    .expect("prefill");
+    sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {schema}.idempotency_keys")))
+        .execute(admin)
+        .await
+        .expect("analyze");
 }
 
 /// A fresh schema holding the business table, for one run.
@@ -741,11 +1029,11 @@ async fn pgbench(settings: &Settings, url: &str, admin: &PgPool) -> Option<f64> 
 }
 
 /// idem-first and idem-replay with 10^4, 10^5 and 10^6 completed keys in the table.
-async fn growth(settings: &Settings, url: &str, admin: &PgPool) {
+async fn growth(settings: &Settings, target: &Target) {
     let mut rows = Vec::new();
     for prefill in [10_000, 100_000, 1_000_000] {
         for variant in ["idem-first", "idem-replay"] {
-            rows.push(run_variant(settings, variant, "idem", url, admin, prefill, 0).await);
+            rows.push(run_variant(settings, variant, "idem", target, prefill, 0).await);
         }
     }
     println!("\nGrowth: the same load with completed keys already in the table\n");
@@ -865,138 +1153,187 @@ fn main() {
         connections: flag("--connections").map_or(if full { 32 } else { 4 }, |c| c as usize),
         rounds: flag("--rounds").unwrap_or(if full { 3 } else { 1 }).max(1),
     };
+    let backends: Vec<String> = args
+        .iter()
+        .position(|a| a == "--backends")
+        .and_then(|i| args.get(i + 1))
+        .map_or("postgres,mysql,sqlite", String::as_str)
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
-        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-        let admin = match PgPoolOptions::new().max_connections(1).connect(&url).await {
-            Ok(admin) => admin,
-            Err(error) => {
-                let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-                assert!(!ci, "PostgreSQL not reachable at {url}: {error}");
-                eprintln!("PostgreSQL not reachable at {url} ({error}): skipped");
-                return;
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        let mut groups: Vec<(&'static str, Vec<Row>)> = Vec::new();
+        let mut json_rows = Vec::new();
+        let mut doubled_storms = 0;
+        for backend in &backends {
+            let target = match Target::connect(backend).await {
+                Ok(target) => target,
+                Err(error) => {
+                    assert!(!ci, "{error}");
+                    eprintln!("{error}: skipped");
+                    continue;
+                }
+            };
+            let (rows, doubled) = bench_backend(&settings, &target, &args).await;
+            doubled_storms += doubled;
+            json_rows.push(json(target.name(), &rows));
+            if full && let Target::Postgres { url, admin } = &target {
+                let bare = rows.first().map_or(1.0, |row| row.rate);
+                match pgbench(&settings, url, admin).await {
+                    Some(tps) => println!(
+                        "\npgbench, the bare transaction over the simple protocol, {} clients: {tps:.0} transactions/s (bare is {:.2}× that)",
+                        settings.connections,
+                        bare / tps
+                    ),
+                    None => eprintln!("pgbench did not run: no reference rate"),
+                }
             }
-        };
-        let redis_up = TcpStream::connect("127.0.0.1:6379").await.is_ok();
-        let mut variants: Vec<(&'static str, &'static str)> = vec![
-            ("bare", "bare"),
-            ("hand-written", "hand-written"),
-            ("idem-first", "idem"),
-            ("idem-replay", "idem"),
-            ("idem-replay-cold", "idem"),
-            ("idem-storm", "idem"),
-        ];
-        if redis_up {
-            variants.push(("naive-cache", "naive-cache"));
-            variants.push(("naive-cache-storm", "naive-cache"));
-        } else {
-            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-            assert!(!ci, "Redis not reachable at 127.0.0.1:6379");
-            eprintln!("Redis not reachable at 127.0.0.1:6379: naive-cache skipped");
-        }
-        if peer_exe().exists() {
-            variants.push(("axum-idempotent", "peer"));
-            variants.push(("axum-idempotent-storm", "peer"));
-        } else {
-            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-            assert!(!ci, "the peer crate's server is not built");
-            eprintln!(
-                "axum-idempotent skipped: build it with \
-                 `cargo build --release --manifest-path benches/peer/Cargo.toml --target-dir target`"
-            );
-        }
-        // `--only a,b`: those variants (and `bare`, the yardstick).
-        if let Some(only) = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)) {
-            let only: Vec<&str> = only.split(',').collect();
-            variants.retain(|(variant, _)| *variant == "bare" || only.contains(variant));
-        }
-        // Rounds run every variant in turn, so a slow spell of the machine (a
-        // checkpoint, a neighbour) lands on all of them; ratios are taken within a round.
-        let mut by_variant: Vec<Vec<Row>> = variants.iter().map(|_| Vec::new()).collect();
-        for round in 0..settings.rounds {
-            let mut rows = Vec::new();
-            for &(variant, serves) in &variants {
-                rows.push(run_variant(&settings, variant, serves, &url, &admin, 0, round).await);
+            if args.iter().any(|a| a == "--growth") && matches!(target, Target::Postgres { .. }) {
+                growth(&settings, &target).await;
             }
-            let bare = rows.first().map_or(1.0, |r| r.rate);
-            for (mut row, runs) in rows.into_iter().zip(&mut by_variant) {
-                row.ratio = row.rate / bare;
-                runs.push(row);
-            }
-        }
-        let doubled_storms = by_variant
-            .iter()
-            .flatten()
-            .filter(|r| r.variant == "idem-storm" && r.doubled != Some(0))
-            .count();
-        // Per variant, the round with the median ratio, and the spread of ratios.
-        let rows: Vec<(Row, f64, f64)> = by_variant
-            .into_iter()
-            .map(|mut runs| {
-                runs.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
-                let (low, high) = (runs[0].ratio, runs[runs.len() - 1].ratio);
-                (runs.swap_remove(runs.len() / 2), low, high)
-            })
-            .collect();
-        println!(
-            "\n{} connections, {} s per variant after 1 s warm-up, {} round(s) (the median round's numbers; × bare within each round, low–high); statements counted over 200 requests\n",
-            settings.connections, settings.secs, settings.rounds
-        );
-        println!("| variant | requests | req/s | × bare | × bare, low–high | p50 ms | p99 ms | server CPU µs/req | peak RSS MiB | statements/req | round trips/req | answers | keys run twice |");
-        println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
-        for (row, low, high) in &rows {
-            let mut statuses: Vec<_> = row.statuses.iter().collect();
-            statuses.sort();
-            let answers = statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect::<Vec<_>>().join(" ");
-            println!(
-                "| {} | {} | {:.0} | {:.2} | {:.2}–{:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} |",
-                row.variant,
-                row.requests,
-                row.rate,
-                row.ratio,
-                low,
-                high,
-                row.p50.as_secs_f64() * 1e3,
-                row.p99.as_secs_f64() * 1e3,
-                row.cpu_us,
-                row.rss_mib,
-                row.statements,
-                row.round_trips,
-                answers,
-                row.doubled.map_or("-".to_owned(), |d| d.to_string()),
-            );
-        }
-        let rows: Vec<Row> = rows.into_iter().map(|(row, _, _)| row).collect();
-        if full {
-            let bare = rows.first().map_or(1.0, |row| row.rate);
-            match pgbench(&settings, &url, &admin).await {
-                Some(tps) => println!(
-                    "\npgbench, the bare transaction over the simple protocol, {} clients: {tps:.0} transactions/s (bare is {:.2}× that)",
-                    settings.connections,
-                    bare / tps
-                ),
-                None => eprintln!("pgbench did not run: no reference rate"),
-            }
+            groups.push((target.label(), rows));
         }
         let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
         let _ = std::fs::create_dir_all(&target);
         let svg = target.join("idem-bench-http.svg");
-        match std::fs::write(&svg, chart(&[("PostgreSQL", &rows)])) {
+        let charted: Vec<(&str, &[Row])> = groups
+            .iter()
+            .map(|(label, rows)| (*label, rows.as_slice()))
+            .collect();
+        match std::fs::write(&svg, chart(&charted)) {
             Ok(()) => println!("\nchart: {}", svg.display()),
             Err(error) => eprintln!("chart: {error}"),
         }
         let data = target.join("idem-bench-http.json");
-        match std::fs::write(&data, json("postgres", &rows)) {
+        match std::fs::write(&data, format!("[{}]\n", json_rows.join(","))) {
             Ok(()) => println!("rows: {}", data.display()),
             Err(error) => eprintln!("rows: {error}"),
         }
-        if args.iter().any(|a| a == "--growth") {
-            growth(&settings, &url, &admin).await;
-        }
-        // The storm's promise: each key once, in every round.
-        let storm = rows.iter().find(|r| r.variant == "idem-storm");
-        assert!(storm.is_none_or(|r| r.doubled == Some(0)), "idem-storm ran a key twice");
+        // The storm's promise: each key once, in every round, on every backend.
         assert!(doubled_storms == 0, "idem-storm ran keys twice in {doubled_storms} round(s)");
     });
+}
+
+/// Every variant on one backend, in rounds; the median round's rows, and the
+/// number of rounds in which `idem-storm` ran a key twice.
+async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) -> (Vec<Row>, usize) {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let postgres = matches!(target, Target::Postgres { .. });
+    let redis_up = TcpStream::connect("127.0.0.1:6379").await.is_ok();
+    let mut variants: Vec<(&'static str, &'static str)> = vec![("bare", "bare")];
+    // The hand-written floor and the replays of keys stored by no server exist
+    // for PostgreSQL only so far.
+    if postgres {
+        variants.push(("hand-written", "hand-written"));
+    }
+    variants.extend([("idem-first", "idem"), ("idem-replay", "idem")]);
+    if postgres {
+        variants.push(("idem-replay-cold", "idem"));
+    }
+    variants.push(("idem-storm", "idem"));
+    if redis_up {
+        variants.push(("naive-cache", "naive-cache"));
+        variants.push(("naive-cache-storm", "naive-cache"));
+    } else {
+        assert!(!ci, "Redis not reachable at 127.0.0.1:6379");
+        eprintln!("Redis not reachable at 127.0.0.1:6379: naive-cache skipped");
+    }
+    // The peer crate keeps its sessions in PostgreSQL.
+    if postgres && peer_exe().exists() {
+        variants.push(("axum-idempotent", "peer"));
+        variants.push(("axum-idempotent-storm", "peer"));
+    } else if postgres {
+        assert!(!ci, "the peer crate's server is not built");
+        eprintln!(
+            "axum-idempotent skipped: build it with \
+             `cargo build --release --manifest-path benches/peer/Cargo.toml --target-dir target`"
+        );
+    }
+    // `--only a,b`: those variants (and `bare`, the yardstick).
+    if let Some(only) = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+    {
+        let only: Vec<&str> = only.split(',').collect();
+        variants.retain(|(variant, _)| *variant == "bare" || only.contains(variant));
+    }
+    // Rounds run every variant in turn, so a slow spell of the machine (a
+    // checkpoint, a neighbour) lands on all of them; ratios are taken within a round.
+    let mut by_variant: Vec<Vec<Row>> = variants.iter().map(|_| Vec::new()).collect();
+    for round in 0..settings.rounds {
+        let mut rows = Vec::new();
+        for &(variant, serves) in &variants {
+            rows.push(run_variant(settings, variant, serves, target, 0, round).await);
+        }
+        let bare = rows.first().map_or(1.0, |r| r.rate);
+        for (mut row, runs) in rows.into_iter().zip(&mut by_variant) {
+            row.ratio = row.rate / bare;
+            runs.push(row);
+        }
+    }
+    let doubled_storms = by_variant
+        .iter()
+        .flatten()
+        .filter(|r| r.variant == "idem-storm" && r.doubled != Some(0))
+        .count();
+    // Per variant, the round with the median ratio, and the spread of ratios.
+    let rows: Vec<(Row, f64, f64)> = by_variant
+        .into_iter()
+        .map(|mut runs| {
+            runs.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
+            let (low, high) = (runs[0].ratio, runs[runs.len() - 1].ratio);
+            (runs.swap_remove(runs.len() / 2), low, high)
+        })
+        .collect();
+    println!(
+        "\n{}: {} connections, {} s per variant after 1 s warm-up, {} round(s) (the median round's numbers; × bare within each round, low–high); statements counted over 200 requests\n",
+        target.label(),
+        settings.connections,
+        settings.secs,
+        settings.rounds
+    );
+    println!(
+        "| variant | requests | req/s | × bare | × bare, low–high | p50 ms | p99 ms | server CPU µs/req | peak RSS MiB | statements/req | round trips/req | answers | keys run twice |"
+    );
+    println!(
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
+    );
+    for (row, low, high) in &rows {
+        let mut statuses: Vec<_> = row.statuses.iter().collect();
+        statuses.sort();
+        let answers = statuses
+            .iter()
+            .map(|(s, n)| format!("{s}×{n}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let round_trips = if matches!(target, Target::Sqlite { .. }) {
+            "-".to_owned()
+        } else {
+            format!("{:.1}", row.round_trips)
+        };
+        println!(
+            "| {} | {} | {:.0} | {:.2} | {:.2}–{:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.1} | {} | {} | {} |",
+            row.variant,
+            row.requests,
+            row.rate,
+            row.ratio,
+            low,
+            high,
+            row.p50.as_secs_f64() * 1e3,
+            row.p99.as_secs_f64() * 1e3,
+            row.cpu_us,
+            row.rss_mib,
+            row.statements,
+            round_trips,
+            answers,
+            row.doubled.map_or("-".to_owned(), |d| d.to_string()),
+        );
+    }
+    (
+        rows.into_iter().map(|(row, _, _)| row).collect(),
+        doubled_storms,
+    )
 }

@@ -1,6 +1,7 @@
 //! The server side the HTTP benchmark's processes share (its own, and the peer
 //! crate's in `benches/peer`): the payment handler without idempotency, the
-//! statement counter, the duplicate count, and the pool from the environment.
+//! statement counter, the duplicate count, and PostgreSQL's pool from the
+//! environment. The HTTP bench adds the other backends' [`Shop`]s.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -9,8 +10,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Pool, Postgres};
 
 #[derive(Deserialize)]
 pub(crate) struct NewPayment {
@@ -25,9 +26,6 @@ pub(crate) struct Payment {
     pub(crate) currency: String,
 }
 
-const INSERT: &str =
-    "INSERT INTO payments (note, amount, currency) VALUES ($1, $2, $3) RETURNING id";
-
 /// The request's key, as the business row's note: duplicates show as notes twice.
 pub(crate) fn key_of(headers: &HeaderMap) -> String {
     headers
@@ -37,23 +35,53 @@ pub(crate) fn key_of(headers: &HeaderMap) -> String {
         .to_owned()
 }
 
-/// The business write: one row in `payments`.
-pub(crate) async fn insert(
-    conn: &mut sqlx::PgConnection,
-    note: &str,
-    new: &NewPayment,
-) -> Result<Payment, sqlx::Error> {
-    let id = sqlx::query_scalar(INSERT)
+/// A database the shop runs on: its business write and its duplicate count.
+pub(crate) trait Shop: sqlx::Database {
+    /// The business write: one row in `payments`.
+    fn insert(
+        conn: &mut Self::Connection,
+        note: &str,
+        new: &NewPayment,
+    ) -> impl Future<Output = Result<Payment, sqlx::Error>> + Send;
+
+    /// `(business rows, notes written more than once)`.
+    fn counts(pool: &Pool<Self>) -> impl Future<Output = Result<(i64, i64), sqlx::Error>> + Send;
+}
+
+/// Both counts in one statement every backend understands.
+pub(crate) const COUNTS: &str = "SELECT count(*), (SELECT count(*) FROM (SELECT note FROM \
+     payments GROUP BY note HAVING count(*) > 1) d) FROM payments";
+
+impl Shop for Postgres {
+    async fn insert(
+        conn: &mut PgConnection,
+        note: &str,
+        new: &NewPayment,
+    ) -> Result<Payment, sqlx::Error> {
+        let id = sqlx::query_scalar(
+            "INSERT INTO payments (note, amount, currency) VALUES ($1, $2, $3) RETURNING id",
+        )
         .bind(note)
         .bind(new.amount)
         .bind(&new.currency)
         .fetch_one(conn)
         .await?;
-    Ok(Payment {
-        id,
-        amount: new.amount,
-        currency: new.currency.clone(),
-    })
+        Ok(Payment::of(id, new))
+    }
+
+    async fn counts(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
+        sqlx::query_as(COUNTS).fetch_one(pool).await
+    }
+}
+
+impl Payment {
+    pub(crate) fn of(id: i64, new: &NewPayment) -> Self {
+        Self {
+            id,
+            amount: new.amount,
+            currency: new.currency.clone(),
+        }
+    }
 }
 
 pub(crate) fn failed(error: sqlx::Error) -> Response {
@@ -61,14 +89,14 @@ pub(crate) fn failed(error: sqlx::Error) -> Response {
 }
 
 /// The handler every variant serves: JSON in, the write in a transaction, JSON out.
-pub(crate) async fn pay(
-    State(pool): State<PgPool>,
+pub(crate) async fn pay<DB: Shop>(
+    State(pool): State<Pool<DB>>,
     headers: HeaderMap,
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
     let run = async {
         let mut tx = pool.begin().await?;
-        let payment = insert(&mut tx, &key_of(&headers), &new).await?;
+        let payment = DB::insert(&mut tx, &key_of(&headers), &new).await?;
         tx.commit().await?;
         Ok::<_, sqlx::Error>(payment)
     };
@@ -132,14 +160,8 @@ pub(crate) async fn counting(body: String) -> String {
 }
 
 /// `<business rows> <notes written more than once>`.
-pub(crate) async fn stats(State(pool): State<PgPool>) -> Response {
-    let counts: Result<(i64, i64), _> = sqlx::query_as(
-        "SELECT count(*), (SELECT count(*) FROM (SELECT note FROM payments GROUP BY note \
-                                               HAVING count(*) > 1) d) FROM payments",
-    )
-    .fetch_one(&pool)
-    .await;
-    match counts {
+pub(crate) async fn stats<DB: Shop>(State(pool): State<Pool<DB>>) -> Response {
+    match DB::counts(&pool).await {
         Ok((rows, doubled)) => format!("{rows} {doubled}").into_response(),
         Err(error) => failed(error),
     }

@@ -16,6 +16,7 @@ use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use ruts::store::Ttl;
 use ruts::store::postgres::{PostgresStore, PostgresStoreBuilder};
 use ruts::{CookieOptions, Session, SessionLayer};
+use sqlx::Postgres;
 use tower_cookies::CookieManagerLayer;
 
 #[allow(dead_code)]
@@ -52,7 +53,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .use_idempotency_key_header(Some("idempotency-key"), true)
         .expire_after(86_400);
     let payments = Router::new()
-        .route("/payments", post(shop::pay))
+        .route("/payments", post(shop::pay::<Postgres>))
         .layer(IdempotentLayer::<Store>::new(options));
     let router = payments
         .route("/session", get(open_session))
@@ -66,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .layer(CookieManagerLayer::new())
         .route("/counting", post(shop::counting))
-        .route("/stats", get(shop::stats))
+        .route("/stats", get(shop::stats::<Postgres>))
         .with_state(pool);
     shop::serve(router).await
 }

@@ -11,8 +11,8 @@
 //!
 //! Each backend is measured on its own, every run in a schema (PostgreSQL), a
 //! database (MySQL/MariaDB) or a file (SQLite, WAL, `synchronous = NORMAL`) of its
-//! own. The hand-written floor, the cold replays, the peer crate, pgbench and the
-//! growth runs exist for PostgreSQL only so far.
+//! own. The cold replays, the peer crate, pgbench and the growth runs exist for
+//! PostgreSQL only so far.
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
@@ -22,9 +22,12 @@
 //! within a round, and the round with the median ratio is reported.
 //!
 //! - `bare`: the handler with a sqlx transaction, no idempotency;
-//! - `hand-written`: the floor of idem's PostgreSQL design for a new key, by hand
-//!   behind axum: in one transaction, a statement that reads the key and claims it
-//!   under an advisory try-lock, the write, the record;
+//! - `hand-written`: the floor of idem's design on that backend for a new key, by
+//!   hand behind axum. PostgreSQL: in one transaction, a statement that reads the
+//!   key and claims it under an advisory try-lock, the write, the record. MySQL: a
+//!   look-up, then in one transaction a claim guarded by `GET_LOCK(…, 0)`, the
+//!   write, the record, and the lock freed. SQLite: a look-up, then in one
+//!   `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
 //! - `idem-replay-cold`: every request a stored key this instance never saw (as
@@ -129,19 +132,36 @@ async fn idem<DB: idem::Backend + Shop>(
     }
 }
 
-/// The floor of idem's design for a new key, by hand: in one transaction, one
-/// statement that reads the key and, when absent, claims it under an advisory
-/// try-lock; the write; the record.
+/// What a hand-written floor answers: the status and the JSON body.
+type Floor = Result<(StatusCode, Vec<u8>), sqlx::Error>;
+
+/// The outer shape every hand-written floor shares: parse the body, run the
+/// backend's statements, answer.
+async fn by_hand<F, Fut>(headers: &HeaderMap, body: &Bytes, run: F) -> Response
+where
+    F: FnOnce(String, NewPayment) -> Fut,
+    Fut: Future<Output = Floor>,
+{
+    let Ok(new) = serde_json::from_slice::<NewPayment>(body) else {
+        return StatusCode::UNPROCESSABLE_ENTITY.into_response();
+    };
+    match run(key_of(headers), new).await {
+        Ok((status, body)) => {
+            (status, [("content-type", "application/json")], body).into_response()
+        }
+        Err(error) => failed(error),
+    }
+}
+
+/// PostgreSQL's floor for a new key: in one transaction, one statement that reads
+/// the key and, when absent, claims it under an advisory try-lock; the write; the
+/// record.
 async fn hand_written(
     State(app): State<App<Postgres>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let key = key_of(&headers);
-    let run = async {
-        let Ok(new) = serde_json::from_slice::<NewPayment>(&body) else {
-            return Ok((StatusCode::UNPROCESSABLE_ENTITY, Vec::new()));
-        };
+    by_hand(&headers, &body, |key, new| async move {
         let mut tx = app.pool.begin().await?;
         // The claim's lease, or what is stored: state and response body.
         type Seen = (Option<i64>, Option<String>, Option<Vec<u8>>);
@@ -181,14 +201,125 @@ async fn hand_written(
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok::<_, sqlx::Error>((StatusCode::CREATED, out))
-    };
-    match run.await {
-        Ok((status, body)) => {
-            (status, [("content-type", "application/json")], body).into_response()
+        Ok((StatusCode::CREATED, out))
+    })
+    .await
+}
+
+/// MySQL's floor for a new key: look the key up; in one transaction, claim it
+/// with an INSERT guarded by a named try-lock (`GET_LOCK(…, 0)`), the write, the
+/// record; then free the lock.
+async fn hand_written_mysql(
+    State(app): State<App<MySql>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        let mut conn = app.pool.acquire().await?;
+        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = ?",
+        )
+        .bind(&key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        match found {
+            Some((state, stored)) if state == "completed" => {
+                return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
+            }
+            Some(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
+            None => {}
         }
-        Err(error) => failed(error),
-    }
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             SELECT '', ?, 'processing', 1, 'POST', '/payments', REPEAT(x'00', 32), \
+                 UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+                 UTC_TIMESTAMP(6) \
+             FROM DUAL WHERE GET_LOCK(MD5(?), 0) = 1",
+        )
+        .bind(&key)
+        .bind(&key)
+        .execute(&mut *tx)
+        .await?;
+        if claimed.rows_affected() == 0 {
+            return Ok((StatusCode::CONFLICT, Vec::new()));
+        }
+        let payment = MySql::insert(&mut tx, &key, &new).await?;
+        let out = serde_json::to_vec(&payment).unwrap_or_default();
+        sqlx::query(
+            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = ? \
+             WHERE scope = '' AND idempotency_key = ? AND lease = 1",
+        )
+        .bind(&out)
+        .bind(&key)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        sqlx::query("DO RELEASE_LOCK(MD5(?))")
+            .bind(&key)
+            .execute(&mut *conn)
+            .await?;
+        Ok((StatusCode::CREATED, out))
+    })
+    .await
+}
+
+/// SQLite's floor for a new key: look the key up; in one write transaction
+/// (`BEGIN IMMEDIATE`), claim it with an INSERT that does nothing on conflict, the
+/// write, the record.
+async fn hand_written_sqlite(
+    State(app): State<App<Sqlite>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        let mut conn = app.pool.acquire().await?;
+        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = ?1",
+        )
+        .bind(&key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        match found {
+            Some((state, stored)) if state == "completed" => {
+                return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
+            }
+            Some(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
+            None => {}
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
+        let claimed: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES ('', ?1, 'processing', 1, 'POST', '/payments', x'00', ?2 + 30000, \
+                 ?2 + 86400000, ?2) \
+             ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING lease",
+        )
+        .bind(&key)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if claimed.is_none() {
+            return Ok((StatusCode::CONFLICT, Vec::new()));
+        }
+        let payment = Sqlite::insert(&mut tx, &key, &new).await?;
+        let out = serde_json::to_vec(&payment).unwrap_or_default();
+        sqlx::query(
+            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = x'', body = ?2 \
+             WHERE scope = '' AND idempotency_key = ?1 AND lease = 1",
+        )
+        .bind(&key)
+        .bind(&out)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok((StatusCode::CREATED, out))
+    })
+    .await
 }
 
 /// The cached-response pattern: look up, run, store after the fact. Two requests
@@ -235,7 +366,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 .min_connections(size)
                 .connect(&std::env::var("DATABASE_URL")?)
                 .await?;
-            serve_on(pool, size as usize, None).await
+            serve_on(pool, size as usize, Some(post(hand_written_mysql))).await
         }
         Ok("sqlite") => {
             let size: u32 = std::env::var("POOL")?.parse()?;
@@ -249,7 +380,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 .min_connections(size)
                 .connect_with(options)
                 .await?;
-            serve_on(pool, size as usize, None).await
+            serve_on(pool, size as usize, Some(post(hand_written_sqlite))).await
         }
         _ => {
             let (pool, size) = shop::pool_from_env().await?;
@@ -1222,13 +1353,13 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
     let postgres = matches!(target, Target::Postgres { .. });
     let redis_up = TcpStream::connect("127.0.0.1:6379").await.is_ok();
-    let mut variants: Vec<(&'static str, &'static str)> = vec![("bare", "bare")];
-    // The hand-written floor and the replays of keys stored by no server exist
-    // for PostgreSQL only so far.
-    if postgres {
-        variants.push(("hand-written", "hand-written"));
-    }
-    variants.extend([("idem-first", "idem"), ("idem-replay", "idem")]);
+    let mut variants: Vec<(&'static str, &'static str)> = vec![
+        ("bare", "bare"),
+        ("hand-written", "hand-written"),
+        ("idem-first", "idem"),
+        ("idem-replay", "idem"),
+    ];
+    // Replays of keys stored by no server are prefilled on PostgreSQL only.
     if postgres {
         variants.push(("idem-replay-cold", "idem"));
     }

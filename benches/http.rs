@@ -59,6 +59,7 @@
 mod shop;
 
 use std::collections::HashMap;
+use std::str::FromStr as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -78,7 +79,6 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{AssertSqlSafe, MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite};
-use std::str::FromStr as _;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;

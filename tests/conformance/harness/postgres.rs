@@ -15,6 +15,10 @@ pub struct PgLayout<const PARTITIONED: bool> {
     pool: PgPool,
     /// Straight to the server, for the suite's own reads and writes.
     direct: PgPool,
+    /// `direct` at READ COMMITTED, for the suite's read-backs: on a SERIALIZABLE
+    /// run a read-back beside a storm may be refused (40001), and the reads are
+    /// not what is under test.
+    reader: PgPool,
     /// Set on a pooler run: the stores are built `transaction_pooled`.
     pooled: bool,
     /// Another instance's pool: its `search_path` starts with an empty schema of
@@ -150,6 +154,14 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         .execute(&direct)
         .await
         .expect("create effects");
+        let reader = (*direct.connect_options())
+            .clone()
+            .options([("default_transaction_isolation", "read committed")]);
+        let reader = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(reader)
+            .await
+            .expect("connect the reader");
         let mut builder = Idempotency::builder(pool.clone()).max_response_bytes(max_response_bytes);
         if PARTITIONED {
             builder = builder.partitioned_by_day();
@@ -166,6 +178,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             admin,
             pool,
             direct,
+            reader,
             pooled,
             other_pool,
             store,
@@ -210,12 +223,12 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     async fn effects(&self, scope: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE scope = $1")
             .bind(scope)
-            .fetch_one(&self.direct)
+            .fetch_one(&self.reader)
             .await
             .expect("count effects")
     }
 
-    dynamic_sql!(sqlx::PgConnection, direct, str::to_owned);
+    dynamic_sql!(sqlx::PgConnection, reader, str::to_owned);
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(
@@ -223,7 +236,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
              FROM idempotency_keys WHERE scope = $1 ORDER BY idempotency_key",
         )
         .bind(scope)
-        .fetch_all(&self.direct)
+        .fetch_all(&self.reader)
         .await
         .expect("read keys");
         rows.iter()
@@ -337,6 +350,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         self.pool.close().await;
         self.other_pool.close().await;
         self.direct.close().await;
+        self.reader.close().await;
         self.admin.close().await;
     }
 }

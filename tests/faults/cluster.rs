@@ -277,12 +277,25 @@ impl Cluster {
         let mut conn = PgConnection::connect(&Self::node_url(&self.nodes[primary]))
             .await
             .map_err(|e| e.to_string())?;
-        let pid: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_replication")
-            .fetch_one(&mut conn)
+        // Patroni may restart the replica's WAL receiver after bring-up: wait for
+        // a sender that streams.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let pid: Option<i32> = sqlx::query_scalar(
+                "SELECT pid FROM pg_stat_replication WHERE state = 'streaming' LIMIT 1",
+            )
+            .fetch_optional(&mut conn)
             .await
             .map_err(|e| format!("the primary's WAL sender: {e}"))?;
-        signal(&pid.to_string(), "STOP")?;
-        Ok(pid.to_string())
+            if let Some(pid) = pid {
+                signal(&pid.to_string(), "STOP")?;
+                return Ok(pid.to_string());
+            }
+            if Instant::now() > deadline {
+                return Err("no WAL sender streaming for 20 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Waits until another node than `old` is the primary and HAProxy routes to it

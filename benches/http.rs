@@ -153,6 +153,18 @@ where
     }
 }
 
+/// What a floor's look-up answers by itself: the stored response of a completed
+/// key, 409 for one in flight, nothing for a new key.
+fn answer_stored(found: Option<(String, Option<Vec<u8>>)>) -> Option<(StatusCode, Vec<u8>)> {
+    match found {
+        Some((state, stored)) if state == "completed" => {
+            Some((StatusCode::CREATED, stored.unwrap_or_default()))
+        }
+        Some(_) => Some((StatusCode::CONFLICT, Vec::new())),
+        None => None,
+    }
+}
+
 /// PostgreSQL's floor for a new key: in one transaction, one statement that reads
 /// the key and, when absent, claims it under an advisory try-lock; the write; the
 /// record.
@@ -222,12 +234,8 @@ async fn hand_written_mysql(
         .bind(&key)
         .fetch_optional(&mut *conn)
         .await?;
-        match found {
-            Some((state, stored)) if state == "completed" => {
-                return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
-            }
-            Some(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
-            None => {}
+        if let Some(answer) = answer_stored(found) {
+            return Ok(answer);
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let claimed = sqlx::query(
@@ -281,12 +289,8 @@ async fn hand_written_sqlite(
         .bind(&key)
         .fetch_optional(&mut *conn)
         .await?;
-        match found {
-            Some((state, stored)) if state == "completed" => {
-                return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
-            }
-            Some(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
-            None => {}
+        if let Some(answer) = answer_stored(found) {
+            return Ok(answer);
         }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

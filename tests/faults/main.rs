@@ -132,11 +132,7 @@ async fn run() -> ExitCode {
             eprintln!(
                 "{}: {} in {:.1} s",
                 row.scenario,
-                if row.problems.is_empty() {
-                    "ok"
-                } else {
-                    "FAILED"
-                },
+                row.result(),
                 began.elapsed().as_secs_f64()
             );
             rows.push(row);
@@ -168,11 +164,7 @@ async fn run() -> ExitCode {
                     "{} on {}: {} in {:.1} s",
                     row.scenario,
                     backend.name(),
-                    if row.problems.is_empty() {
-                        "ok"
-                    } else {
-                        "FAILED"
-                    },
+                    row.result(),
                     began.elapsed().as_secs_f64()
                 );
                 rows.push(row);
@@ -185,11 +177,6 @@ async fn run() -> ExitCode {
     );
     println!("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |");
     for row in &rows {
-        let result = if row.problems.is_empty() {
-            "ok"
-        } else {
-            "FAILED"
-        };
         let charges = row.charges.map_or("-".to_owned(), |c| c.to_string());
         println!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -199,7 +186,7 @@ async fn run() -> ExitCode {
             row.effects,
             charges,
             row.doubles,
-            result,
+            row.result(),
             row.note
         );
     }

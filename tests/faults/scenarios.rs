@@ -65,6 +65,15 @@ impl Row {
         }
     }
 
+    /// "ok", or "FAILED" when the run found a problem.
+    pub fn result(&self) -> &'static str {
+        if self.problems.is_empty() {
+            "ok"
+        } else {
+            "FAILED"
+        }
+    }
+
     pub fn check(&mut self, ok: bool, problem: impl FnOnce() -> String) {
         if !ok {
             self.problems.push(problem());

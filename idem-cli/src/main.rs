@@ -3,6 +3,7 @@
 //! ```text
 //! idem list --stuck                      # claims whose lock has passed
 //! idem show --scope user-7 order-42      # one key's record in one scope
+//! idem forget --scope user-7 order-42    # its next request runs again
 //! idem sweep --batch 500                 # delete expired keys now
 //! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
 //! idem migration postgres > migrations/20261201_idempotency_keys.sql
@@ -56,6 +57,18 @@ enum Command {
     /// State, request, status, times, stored headers and body. Another scope's
     /// record is never shown: if other scopes hold the same key, they are only named.
     Show {
+        /// The scope the key belongs to.
+        #[arg(long)]
+        scope: String,
+        /// The Idempotency-Key.
+        key: String,
+    },
+    /// Delete one completed key, so that its next request runs the handler again.
+    ///
+    /// For a response that must not be replayed any more. A claim in flight is never
+    /// deleted. Running instances keep replaying their copy in memory until their
+    /// replay cache's refresh has passed (30 seconds by default).
+    Forget {
         /// The scope the key belongs to.
         #[arg(long)]
         scope: String,
@@ -199,6 +212,7 @@ async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Res
             limit,
         } => list(store, stuck, scope.as_deref(), limit).await,
         Command::Show { scope, key } => show(store, &scope, &key).await,
+        Command::Forget { scope, key } => forget(store, &scope, &key).await,
         Command::Sweep {
             batch,
             budget,
@@ -252,6 +266,28 @@ async fn list<DB: Backend>(
         );
     }
     Ok(out)
+}
+
+async fn forget<DB: Backend>(
+    store: &Idempotency<DB>,
+    scope: &str,
+    key: &str,
+) -> Result<String, Fail> {
+    if store.forget(scope, key).await? {
+        return Ok(format!(
+            "forgot {key} in scope {scope}: its next request runs the handler again \
+             (running instances may replay it until their replay cache refreshes, \
+             30 s by default)\n"
+        ));
+    }
+    match store.inspect(scope, key).await? {
+        Some(record) if record.state == "processing" => Err(Fail(format!(
+            "{key} in scope {scope} is in flight, not completed: not deleted"
+        ))),
+        _ => Err(Fail(format!(
+            "no completed record of {key} in scope {scope}"
+        ))),
+    }
 }
 
 async fn show<DB: Backend>(

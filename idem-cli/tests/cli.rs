@@ -88,7 +88,7 @@ async fn operator_commands_on_sqlite() {
     let help = idem(&url, &["--help"]);
     assert_eq!(help.code, 0);
     assert!(help.stdout.contains("Commands:"), "{}", help.stdout);
-    for command in ["list", "show", "sweep", "partitions", "migration"] {
+    for command in ["list", "show", "forget", "sweep", "partitions", "migration"] {
         let help = idem(&url, &[command, "--help"]);
         assert_eq!(help.code, 0);
         assert!(
@@ -141,6 +141,38 @@ async fn operator_commands_on_sqlite() {
         idem(&url, &["show", "--scope", "alice", "k-old"])
             .stdout
             .contains("holds no key")
+    );
+
+    let forget = idem(&url, &["forget", "--scope", "bob", "k-done"]);
+    assert_eq!(forget.code, 0, "{}", forget.stderr);
+    assert!(
+        forget.stdout.starts_with("forgot k-done in scope bob"),
+        "{}",
+        forget.stdout
+    );
+    assert!(
+        idem(&url, &["show", "--scope", "bob", "k-done"])
+            .stdout
+            .contains("holds no key")
+    );
+    let kept = idem(&url, &["show", "--scope", "alice", "k-done"]);
+    assert!(
+        kept.stdout.contains("alice's receipt"),
+        "another scope's key stays"
+    );
+    let again = idem(&url, &["forget", "--scope", "bob", "k-done"]);
+    assert_eq!(again.code, 2);
+    assert!(
+        again.stderr.contains("no completed record"),
+        "{}",
+        again.stderr
+    );
+    let claimed = idem(&url, &["forget", "--scope", "alice", "k-stuck"]);
+    assert_eq!(claimed.code, 2);
+    assert!(claimed.stderr.contains("in flight"), "{}", claimed.stderr);
+    assert!(
+        idem(&url, &["list"]).stdout.contains("k-stuck"),
+        "claims stay"
     );
 
     let partitions = idem(&url, &["partitions"]);

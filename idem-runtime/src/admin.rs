@@ -2,6 +2,7 @@
 //! what one key holds.
 
 use crate::backend::{Backend, KeyRecord, Query};
+use crate::signal::key_digest;
 use crate::store::Idempotency;
 
 impl<DB: Backend> Idempotency<DB> {
@@ -54,6 +55,36 @@ impl<DB: Backend> Idempotency<DB> {
     pub async fn other_scopes(&self, scope: &str, key: &str) -> Result<Vec<String>, sqlx::Error> {
         let found = self.run_inspect(&Query::OtherScopes { scope, key }).await?;
         Ok(found.into_iter().map(|record| record.scope).collect())
+    }
+
+    /// Deletes `scope`'s completed record of `key`, so that the next request with
+    /// it runs the handler again; returns whether there was one. A claim in flight
+    /// is never deleted (its executor may still commit).
+    ///
+    /// This store's copy in memory goes at once; other running instances replay
+    /// theirs until their [`replay_cache_refresh`](crate::Builder::replay_cache_refresh)
+    /// has passed (30 seconds by default). The `idem forget` command calls this.
+    ///
+    /// # Errors
+    ///
+    /// Any database error.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
+    /// if idempotency.forget("user-7", "order-42").await? {
+    ///     println!("the next request with order-42 runs again");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn forget(&self, scope: &str, key: &str) -> Result<bool, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        let deleted = DB::idem_forget(&mut conn, &self.inner.table, scope, key).await?;
+        if let Some(cache) = &self.inner.replay_cache {
+            cache.forget(&key_digest(&self.inner.table, scope, key));
+        }
+        Ok(deleted)
     }
 
     async fn run_inspect(&self, query: &Query<'_>) -> Result<Vec<KeyRecord>, sqlx::Error> {

@@ -63,13 +63,15 @@ pub struct Identity<'a> {
 }
 
 /// What a lookup found under (scope, key).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Found {
     pub completed: bool,
     /// `locked_until` is still ahead, by the database clock.
     pub live: bool,
     /// `expires_at` is still ahead, by the database clock.
     pub fresh: bool,
+    /// Milliseconds until `expires_at`, by the database clock, rounded up.
+    pub ttl_left_ms: i64,
     pub method: String,
     pub path: String,
     /// `None` in rows recorded before content types were stored: matches any.
@@ -77,13 +79,13 @@ pub struct Found {
     pub fingerprint: Vec<u8>,
     pub status: Option<i32>,
     pub headers: Option<Vec<u8>>,
-    pub body: Option<Vec<u8>>,
+    pub body: Option<bytes::Bytes>,
 }
 
 impl Found {
     /// Decodes a lookup row. Every backend's lookup selects the same shape: `state`,
     /// `method`, `path`, `content_type` (nullable) as text; `fingerprint`,
-    /// `headers`, `body` as bytes; `status`, `live`, `fresh` as 64-bit integers.
+    /// `headers`, `body` as bytes; `status`, `live`, `ttl_left_ms` as 64-bit integers.
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn decode<R>(row: &R) -> Result<Self, sqlx::Error>
     where
@@ -96,10 +98,12 @@ impl Found {
         for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
         for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     {
+        let ttl_left_ms: i64 = row.try_get("ttl_left_ms")?;
         Ok(Self {
             completed: row.try_get::<String, _>("state")? == "completed",
             live: row.try_get::<i64, _>("live")? != 0,
-            fresh: row.try_get::<i64, _>("fresh")? != 0,
+            fresh: ttl_left_ms > 0,
+            ttl_left_ms,
             method: row.try_get("method")?,
             path: row.try_get("path")?,
             content_type: row.try_get("content_type")?,
@@ -108,7 +112,9 @@ impl Found {
                 .try_get::<Option<i64>, _>("status")?
                 .and_then(|s| i32::try_from(s).ok()),
             headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
+            body: row
+                .try_get::<Option<Vec<u8>>, _>("body")?
+                .map(bytes::Bytes::from),
         })
     }
 
@@ -142,6 +148,28 @@ impl Found {
             .fetch_optional(conn)
             .await?;
         row.as_ref().map(Self::decode).transpose()
+    }
+
+    /// The record of `response`, which this process has just committed for `id`
+    /// (`headers` as stored), as a lookup would find it.
+    pub(crate) fn recorded(
+        id: &Identity<'_>,
+        response: &http::Response<bytes::Bytes>,
+        headers: Vec<u8>,
+    ) -> Self {
+        Self {
+            completed: true,
+            live: false,
+            fresh: true,
+            ttl_left_ms: 0,
+            method: id.method.to_owned(),
+            path: id.path.to_owned(),
+            content_type: Some(id.content_type.to_owned()),
+            fingerprint: id.fingerprint.to_vec(),
+            status: Some(i32::from(response.status().as_u16())),
+            headers: Some(headers),
+            body: Some(response.body().clone()),
+        }
     }
 
     pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
@@ -407,6 +435,15 @@ pub mod sealed {
             limit: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'c;
 
+        /// Deletes (scope, key) if it is completed; whether a row went.
+        #[doc(hidden)]
+        fn idem_forget<'c>(
+            conn: &'c mut Self::Connection,
+            table: &'c str,
+            scope: &'c str,
+            key: &'c str,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+
         /// Operator's view: rows matching `query` (see `admin.rs`).
         #[doc(hidden)]
         fn idem_inspect<'c>(
@@ -496,6 +533,29 @@ where
     }
     let rows = statement.fetch_all(conn).await?;
     rows.iter().map(decode).collect()
+}
+
+/// Runs a backend's `DELETE` of one completed key (parameters: scope, key),
+/// unprepared like the operator's other statements.
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn delete_completed<DB>(
+    conn: &mut DB::Connection,
+    sql: String,
+    scope: &str,
+    key: &str,
+) -> Result<DB::QueryResult, sqlx::Error>
+where
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+{
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .execute(conn)
+        .await
 }
 
 /// Decodes the columns every backend's inspection query selects, in one shape:

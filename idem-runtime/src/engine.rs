@@ -19,6 +19,7 @@ use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded};
+use crate::cache::{Filler, Looked};
 use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::options::Options;
@@ -466,6 +467,21 @@ impl<DB: Backend> Idempotency<DB> {
         B::Error: Into<BoxError>,
     {
         let began = Instant::now();
+        let cache = self.inner.replay_cache.as_ref();
+        // A completed key this process keeps is answered here; one it does not is
+        // looked up by one request of this process at a time (`filler`).
+        let mut filler = None;
+        if let Some(cache) = cache {
+            match cache.look(&id.digest).await {
+                Looked::Hit(entry) => {
+                    if let Decision::Answer(outcome, response) = self.decide(Some(&entry.found), id)
+                    {
+                        return Step::Done(outcome, response);
+                    }
+                }
+                Looked::Miss(miss) => filler = Some(miss),
+            }
+        }
         let mut conn = match self.inner.pool.acquire().await {
             Ok(conn) => conn,
             Err(error) => return self.store_failed(&error).into(),
@@ -485,7 +501,10 @@ impl<DB: Backend> Idempotency<DB> {
             // `other` takes the whole result, so `conn` is free again below.
             other => match other.map(Opened::found) {
                 Ok(Some(found)) => {
-                    let (replace, takeover) = match self.decide(Some(found), id) {
+                    if let Some(cache) = cache {
+                        cache.keep(id.digest, &found, began, filler.take());
+                    }
+                    let (replace, takeover) = match self.decide(Some(&found), id) {
                         Decision::Claim { replace, takeover } => (replace, takeover),
                         Decision::Answer(outcome, response) => {
                             return Step::Done(outcome, response);
@@ -498,23 +517,26 @@ impl<DB: Backend> Idempotency<DB> {
                         other => {
                             let error = other.err();
                             return self
-                                .claim_lost(&mut conn, id, lease, error, handler, repair)
+                                .claim_lost(&mut conn, id, lease, error, handler, repair, filler)
                                 .await;
                         }
                     }
                 }
                 Ok(None) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, None, handler, None)
+                        .claim_lost(&mut conn, id, lease, None, handler, None, filler)
                         .await;
                 }
                 Err(error) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, Some(error), handler, repair)
+                        .claim_lost(&mut conn, id, lease, Some(error), handler, repair, filler)
                         .await;
                 }
             },
         };
+        // Claimed: whoever waits to look the key up may look now (and find it in
+        // flight) instead of waiting for the handler.
+        drop(filler);
         if takeover {
             tracing::info!("taking over a claim whose lock had passed");
         }
@@ -557,6 +579,10 @@ impl<DB: Backend> Idempotency<DB> {
                     Ok(true) => match open.commit().await {
                         (conn, Ok(())) => {
                             metrics::recorded(recording.elapsed(), endpoint);
+                            if let Some(cache) = cache {
+                                let found = Found::recorded(id, &response, headers);
+                                cache.committed(id.digest, found, began, options.ttl_duration());
+                            }
                             clean = true;
                             committed = true;
                             let outcome = if takeover {
@@ -618,6 +644,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// Answers a request whose claim failed: from what the winner left (409 while it
     /// runs), or 503 when the database failed. `repair`: the claim's ttl (ms), when
     /// the backend may repair the cause of an error (see `Step::Again`).
+    #[allow(clippy::too_many_arguments)]
     async fn claim_lost<F>(
         &self,
         conn: &mut PoolConnection<DB>,
@@ -626,6 +653,7 @@ impl<DB: Backend> Idempotency<DB> {
         error: Option<sqlx::Error>,
         handler: F,
         repair: Option<i64>,
+        filler: Option<Filler<'_>>,
     ) -> Step<F> {
         let sql = &self.inner.sql;
         if let Some(error) = error {
@@ -644,11 +672,17 @@ impl<DB: Backend> Idempotency<DB> {
             conn.close_on_drop();
             return self.store_failed(&error).into();
         }
+        let read_at = Instant::now();
         match DB::idem_lookup(conn, sql, id).await {
-            Ok(found) => match self.decide(found, id) {
-                Decision::Answer(outcome, response) => Step::Done(outcome, response),
-                Decision::Claim { .. } | Decision::InFlight => Step::InFlight(handler),
-            },
+            Ok(found) => {
+                if let (Some(cache), Some(found)) = (&self.inner.replay_cache, &found) {
+                    cache.keep(id.digest, found, read_at, filler);
+                }
+                match self.decide(found.as_ref(), id) {
+                    Decision::Answer(outcome, response) => Step::Done(outcome, response),
+                    Decision::Claim { .. } | Decision::InFlight => Step::InFlight(handler),
+                }
+            }
             Err(error) => self.store_failed(&error).into(),
         }
     }
@@ -697,7 +731,7 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     /// What a lookup means for this request.
-    fn decide(&self, found: Option<Found>, id: &Identity<'_>) -> Decision {
+    fn decide(&self, found: Option<&Found>, id: &Identity<'_>) -> Decision {
         let Some(found) = found else {
             return Decision::Claim {
                 replace: false,
@@ -743,7 +777,7 @@ impl<DB: Backend> Idempotency<DB> {
             let response = replay(
                 found.status.unwrap_or(500),
                 found.headers.as_deref().unwrap_or_default(),
-                found.body.unwrap_or_default(),
+                found.body.clone().unwrap_or_default(),
             );
             Decision::Answer(Outcome::Replayed, response)
         } else {

@@ -9,6 +9,7 @@ mod admin;
 #[cfg(feature = "axum")]
 pub mod axum;
 mod backend;
+mod cache;
 #[cfg(feature = "client")]
 pub mod client;
 mod engine;
@@ -46,7 +47,8 @@ pub use scope::Scope;
 pub use shutdown::{Closed, Shutdown};
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
-    DEFAULT_TABLE, Idempotency, migration_sql,
+    DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE, Idempotency,
+    migration_sql,
 };
 pub use sweep::{Sweep, SweepReport};
 pub use tx::Tx;

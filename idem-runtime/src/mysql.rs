@@ -11,7 +11,7 @@ use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::key::to_hex;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64.
@@ -60,7 +60,8 @@ impl Driver for MySql {
                 "SELECT state, method, path, content_type, fingerprint, \
                         CAST(status AS SIGNED) AS status, headers, body, \
                         CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
-                        CAST(expires_at > UTC_TIMESTAMP(6) AS SIGNED) AS fresh \
+                        CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
+                             AS SIGNED) AS ttl_left_ms \
                  FROM {table} WHERE scope = ? AND idempotency_key = ?"
             )
             .into(),
@@ -321,6 +322,19 @@ impl Driver for MySql {
             .execute(conn)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_forget(
+        conn: &mut MySqlConnection,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {table} WHERE scope = ? AND idempotency_key = ? AND state = 'completed'"
+        );
+        let done = delete_completed::<MySql>(conn, sql, scope, key).await?;
+        Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(

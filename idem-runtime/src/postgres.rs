@@ -17,7 +17,7 @@ use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim,
     sealed::Driver,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day, read_committed};
 use crate::signal::signal_of;
 
@@ -146,7 +146,8 @@ impl Driver for Postgres {
         let columns = "state, method, path, content_type, fingerprint, status::int8 AS status, \
                        headers, body, \
                        (locked_until > clock_timestamp())::int::int8 AS live, \
-                       (expires_at > clock_timestamp())::int::int8 AS fresh";
+                       ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::int8 \
+                         AS ttl_left_ms";
         let lookup =
             format!("SELECT {columns} FROM {table} WHERE scope = $1 AND idempotency_key = $2");
         let insert = format!(
@@ -478,6 +479,23 @@ impl Driver for Postgres {
             .await?;
         tx.commit().await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_forget(
+        conn: &mut PgConnection,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {table} \
+             WHERE scope = $1 AND idempotency_key = $2 AND state = 'completed'"
+        );
+        // In a transaction, so that it is safe through a transaction pooler.
+        let mut tx = conn.begin().await?;
+        let done = delete_completed::<Postgres>(&mut tx, sql, scope, key).await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(

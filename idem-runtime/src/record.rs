@@ -45,8 +45,8 @@ pub(crate) fn encode_headers(headers: &HeaderMap) -> Vec<u8> {
 
 /// Rebuilds a replay. Lines that fail to parse are skipped: they can only come
 /// from a row edited by hand.
-pub(crate) fn replay(status: i32, headers: &[u8], body: Vec<u8>) -> Response<Bytes> {
-    let mut response = Response::new(Bytes::from(body));
+pub(crate) fn replay(status: i32, headers: &[u8], body: Bytes) -> Response<Bytes> {
+    let mut response = Response::new(body);
     *response.status_mut() = u16::try_from(status)
         .ok()
         .and_then(|s| StatusCode::from_u16(s).ok())
@@ -87,7 +87,7 @@ mod tests {
         headers.append("connection", HeaderValue::from_static("close"));
 
         let encoded = encode_headers(&headers);
-        let response = replay(201, &encoded, b"{\"b\":1,\"a\":2}".to_vec());
+        let response = replay(201, &encoded, Bytes::from_static(b"{\"b\":1,\"a\":2}"));
         assert_eq!(response.status(), 201);
         assert_eq!(response.body().as_ref(), b"{\"b\":1,\"a\":2}");
         let got: Vec<_> = response

@@ -11,7 +11,7 @@ use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -46,7 +46,7 @@ impl Driver for Sqlite {
         Sql {
             lookup: format!(
                 "SELECT state, method, path, content_type, fingerprint, status, headers, body, \
-                        locked_until > {NOW_MS} AS live, expires_at > {NOW_MS} AS fresh \
+                        locked_until > {NOW_MS} AS live, expires_at - {NOW_MS} AS ttl_left_ms \
                  FROM {table} WHERE scope = ?1 AND idempotency_key = ?2"
             )
             .into(),
@@ -220,6 +220,19 @@ impl Driver for Sqlite {
             .execute(conn)
             .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn idem_forget(
+        conn: &mut SqliteConnection,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {table} WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'completed'"
+        );
+        let done = delete_completed::<Sqlite>(conn, sql, scope, key).await?;
+        Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(

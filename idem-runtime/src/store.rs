@@ -7,6 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::backend::{Applied, Backend, Layout};
+use crate::cache::ReplayCache;
 use crate::shutdown::{Lifecycle, Shutdown};
 use crate::signal::Signals;
 
@@ -21,6 +22,13 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
 /// The default [`Builder::body_timeout`]: 30 seconds for the whole request body.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default bound of the completed responses a store keeps in memory: 8 MiB.
+pub const DEFAULT_REPLAY_CACHE_BYTES: usize = 8 * 1024 * 1024;
+
+/// Default longest time a response kept in memory is replayed before the table is
+/// read again: 30 seconds.
+pub const DEFAULT_REPLAY_CACHE_REFRESH: Duration = Duration::from_secs(30);
 
 /// The idempotency store: a connection pool of your own database plus store-wide
 /// settings. Cheap to clone; put it in your axum state and reach it with `FromRef`.
@@ -59,6 +67,8 @@ pub(crate) struct Inner<DB: Backend> {
     /// Where `wait`'s listener takes its connection, when not from `pool`.
     pub(crate) listen_pool: Option<Pool<DB>>,
     pub(crate) sql: DB::IdemSql,
+    /// Completed responses kept in process; `None` when turned off.
+    pub(crate) replay_cache: Option<ReplayCache>,
     pub(crate) signals: Signals,
     pub(crate) lifecycle: Arc<Lifecycle>,
 }
@@ -79,6 +89,10 @@ impl<DB: Backend> fmt::Debug for Idempotency<DB> {
             .field("problem_base", &self.inner.problem_base)
             .field("max_response_bytes", &self.inner.max_response_bytes)
             .field("body_timeout", &self.inner.body_timeout)
+            .field(
+                "replay_cache_bytes",
+                &self.inner.replay_cache.as_ref().map(ReplayCache::weight),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -113,6 +127,8 @@ impl<DB: Backend> Idempotency<DB> {
             problem_base: DEFAULT_PROBLEM_BASE.into(),
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            replay_cache_bytes: DEFAULT_REPLAY_CACHE_BYTES,
+            replay_cache_refresh: DEFAULT_REPLAY_CACHE_REFRESH,
             partitioned: false,
             transaction_pooled: false,
             listen_pool: None,
@@ -203,6 +219,8 @@ pub struct Builder<DB: Backend> {
     problem_base: Box<str>,
     max_response_bytes: usize,
     body_timeout: Duration,
+    replay_cache_bytes: usize,
+    replay_cache_refresh: Duration,
     partitioned: bool,
     transaction_pooled: bool,
     listen_pool: Option<Pool<DB>>,
@@ -238,6 +256,42 @@ impl<DB: Backend> Builder<DB> {
     /// it again; a slow client cannot hold a handler, a key or a connection.
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
         self.body_timeout = timeout;
+        self
+    }
+
+    /// The memory, in bytes, for completed responses kept in process (default
+    /// [`DEFAULT_REPLAY_CACHE_BYTES`]; 0 turns the cache off). A retry of a
+    /// completed key is then answered from memory, replayed or refused 422 as the
+    /// table would, without a database round trip; concurrent retries of one key
+    /// that is not kept read the table once between them. Least used entries go
+    /// first when it is full. A response enters only once its transaction has
+    /// committed, and is never replayed past its key's ttl.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # fn demo<DB: idem_runtime::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use idem_runtime::Idempotency;
+    ///
+    /// let idempotency = Idempotency::builder(pool)
+    ///     .replay_cache(64 * 1024 * 1024)
+    ///     .replay_cache_refresh(Duration::from_secs(5))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn replay_cache(mut self, max_bytes: usize) -> Self {
+        self.replay_cache_bytes = max_bytes;
+        self
+    }
+
+    /// The longest a response kept in memory is replayed before the table is read
+    /// again (default [`DEFAULT_REPLAY_CACHE_REFRESH`]; zero turns the cache off).
+    /// This bounds how long a running instance may keep replaying a key after an
+    /// operator deleted it (`idem forget`, or [`Idempotency::forget`] on another
+    /// instance).
+    pub fn replay_cache_refresh(mut self, refresh: Duration) -> Self {
+        self.replay_cache_refresh = refresh;
         self
     }
 
@@ -277,6 +331,7 @@ impl<DB: Backend> Builder<DB> {
                 transaction_pooled: self.transaction_pooled,
                 listen_pool: self.listen_pool,
                 sql,
+                replay_cache: ReplayCache::new(self.replay_cache_bytes, self.replay_cache_refresh),
                 signals: Signals::new(),
                 lifecycle: Arc::new(Lifecycle::new()),
             }),

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use idem::{Backend, Idempotency, Tx};
+use idem::{Backend, Builder, Idempotency, Tx};
 use sqlx::Connection;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -44,10 +44,15 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// A store on the same database and table: another app instance, which has
     /// seen none of this one's keys.
     fn another_instance(&self) -> Idempotency<Self::DB> {
-        Idempotency::builder(self.store().pool().clone())
-            .max_response_bytes(self.store().max_response_bytes())
+        self.instance_on(self.store().pool().clone())
             .build()
             .expect("another instance")
+    }
+
+    /// The settings of this harness's stores (layout, pooler, response limit) on
+    /// `pool`, for a test to add its own.
+    fn instance_on(&self, pool: sqlx::Pool<Self::DB>) -> Builder<Self::DB> {
+        Idempotency::builder(pool).max_response_bytes(self.store().max_response_bytes())
     }
 
     /// The business write a handler makes: one row in `effects`, returning its id.

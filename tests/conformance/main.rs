@@ -25,6 +25,7 @@ fn a_backend_is_enabled() {
 
 mod app;
 mod bank;
+mod cache;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod deadlock;
 mod edges;
@@ -42,6 +43,10 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Barrier;
 
 use app::{Got, Req, router, send};
+use cache::{
+    completed_keys_are_replayed_from_memory, forgotten_keys_run_again,
+    kept_responses_end_with_their_key, only_committed_responses_are_kept,
+};
 use edges::{
     content_type_is_part_of_the_identity, expired_key_duplicates_answer_at_once,
     inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
@@ -1211,4 +1216,8 @@ conformance!(
     idem_extractors_work_in_any_handler,
     draining_finishes_in_flight_and_refuses_new_keys,
     close_cancels_what_cannot_finish,
+    completed_keys_are_replayed_from_memory,
+    kept_responses_end_with_their_key,
+    only_committed_responses_are_kept,
+    forgotten_keys_run_again,
 );

@@ -192,8 +192,14 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     }
 
     fn another_instance(&self) -> Idempotency<Postgres> {
-        let mut builder = Idempotency::builder(self.other_pool.clone())
-            .max_response_bytes(self.store.max_response_bytes());
+        self.instance_on(self.other_pool.clone())
+            .build()
+            .expect("another instance")
+    }
+
+    fn instance_on(&self, pool: PgPool) -> Builder<Postgres> {
+        let mut builder =
+            Idempotency::builder(pool).max_response_bytes(self.store.max_response_bytes());
         if PARTITIONED {
             builder = builder.partitioned_by_day();
         }
@@ -201,7 +207,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             // No listen pool: this instance's waiters look again on their own.
             builder = builder.transaction_pooled();
         }
-        builder.build().expect("another instance")
+        builder
     }
 
     fn insert_effect<'a>(

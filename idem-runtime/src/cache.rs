@@ -1,0 +1,274 @@
+//! Completed responses kept in process, so that retries of a completed key are
+//! answered without the database (`docs/contract.md` §5, "Replays from memory").
+//!
+//! A completed record never changes until its key expires or an operator deletes
+//! it, so a copy is exact for as long as it is kept, within two bounds: never past
+//! the key's expiry (a retry after it must run again), and never longer than the
+//! store's `replay_cache_refresh` (how long an operator's deletion may go unseen
+//! by this process). Only committed records enter: one this process just
+//! committed, or one it read from the table.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quick_cache::sync::{Cache, DefaultLifecycle, PlaceholderGuard};
+use quick_cache::{DefaultHashBuilder, Weighter};
+
+use crate::backend::Found;
+
+/// Bytes an entry costs beyond its strings and payload: the record's fixed fields,
+/// the `Arc`, the cache's own slot.
+const ENTRY_OVERHEAD: u64 = 256;
+
+/// A completed record, and the instant after which it is no longer trusted.
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub(crate) found: Found,
+    until: Instant,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ByBytes;
+
+impl Weighter<[u8; 32], Arc<Entry>> for ByBytes {
+    fn weight(&self, _key: &[u8; 32], entry: &Arc<Entry>) -> u64 {
+        let found = &entry.found;
+        let bytes = found.method.len()
+            + found.path.len()
+            + found.content_type.as_ref().map_or(0, String::len)
+            + found.fingerprint.len()
+            + found.headers.as_ref().map_or(0, Vec::len)
+            + found.body.as_ref().map_or(0, bytes::Bytes::len);
+        ENTRY_OVERHEAD + bytes as u64
+    }
+}
+
+type Entries = Cache<[u8; 32], Arc<Entry>, ByBytes>;
+
+/// Held by the one request of this process that looks a key up in the table;
+/// others asking for the same key wait for it (a storm reaches the table once).
+pub(crate) type Filler<'a> = PlaceholderGuard<
+    'a,
+    [u8; 32],
+    Arc<Entry>,
+    ByBytes,
+    DefaultHashBuilder,
+    DefaultLifecycle<[u8; 32], Arc<Entry>>,
+>;
+
+pub(crate) struct ReplayCache {
+    entries: Entries,
+    refresh: Duration,
+}
+
+pub(crate) enum Looked<'a> {
+    Hit(Arc<Entry>),
+    /// Not kept: this request reads the table, and fills the entry if it finds the
+    /// key completed. Dropping the filler lets the next request of the key look.
+    Miss(Filler<'a>),
+}
+
+impl ReplayCache {
+    /// `None` when `max_bytes` or `refresh` is zero: no cache.
+    pub(crate) fn new(max_bytes: usize, refresh: Duration) -> Option<Self> {
+        if max_bytes == 0 || refresh.is_zero() {
+            return None;
+        }
+        let max_bytes = max_bytes as u64;
+        // A guess at the number of entries, for the table's initial size: small
+        // JSON responses.
+        let items = usize::try_from(max_bytes / 1024)
+            .unwrap_or(usize::MAX)
+            .max(16);
+        Some(Self {
+            entries: Cache::with_weighter(items, max_bytes, ByBytes),
+            refresh,
+        })
+    }
+
+    /// The entry for `digest` if one is kept and still trusted; otherwise the
+    /// filler, once no other request of this process is looking the key up.
+    pub(crate) async fn look(&self, digest: &[u8; 32]) -> Looked<'_> {
+        loop {
+            match self.entries.get_value_or_guard_async(digest).await {
+                Ok(entry) if Instant::now() < entry.until => return Looked::Hit(entry),
+                Ok(stale) => {
+                    self.entries
+                        .remove_if(digest, |kept| Arc::ptr_eq(kept, &stale));
+                }
+                Err(filler) => return Looked::Miss(filler),
+            }
+        }
+    }
+
+    /// Keeps `found` if it is a completed, unexpired record; `read_at` is an
+    /// instant no later than the database's reading of it (its `ttl_left_ms`).
+    /// Through `filler` when this request holds it, so that waiting requests get it.
+    pub(crate) fn keep(
+        &self,
+        digest: [u8; 32],
+        found: &Found,
+        read_at: Instant,
+        filler: Option<Filler<'_>>,
+    ) {
+        if found.completed && found.fresh {
+            let left = Duration::from_millis(found.ttl_left_ms.unsigned_abs());
+            self.put(digest, found.clone(), read_at, left, filler);
+        }
+    }
+
+    /// Keeps the record this process just committed; `claimed_at` is an instant no
+    /// later than the claim that set its expiry, `ttl` the expiry it set.
+    pub(crate) fn committed(
+        &self,
+        digest: [u8; 32],
+        found: Found,
+        claimed_at: Instant,
+        ttl: Duration,
+    ) {
+        self.put(digest, found, claimed_at, ttl, None);
+    }
+
+    fn put(
+        &self,
+        digest: [u8; 32],
+        found: Found,
+        from: Instant,
+        left: Duration,
+        filler: Option<Filler<'_>>,
+    ) {
+        // The database rounds what is left up to a millisecond; a millisecond less
+        // keeps the copy strictly inside the key's life.
+        let left = left.saturating_sub(Duration::from_millis(1));
+        let until = from + left.min(self.refresh);
+        if until <= Instant::now() {
+            return;
+        }
+        let entry = Arc::new(Entry { found, until });
+        match filler {
+            // `Err`: the placeholder was removed meanwhile (an operator's `forget`).
+            Some(filler) => drop(filler.insert(entry)),
+            None => self.entries.insert(digest, entry),
+        }
+    }
+
+    /// Drops this process's copy of a key (an operator deleted it here).
+    pub(crate) fn forget(&self, digest: &[u8; 32]) {
+        self.entries.remove(digest);
+    }
+
+    /// Bytes the kept entries weigh.
+    pub(crate) fn weight(&self) -> u64 {
+        self.entries.weight()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completed(body: &'static [u8], ttl_left_ms: i64) -> Found {
+        Found {
+            completed: true,
+            live: false,
+            fresh: ttl_left_ms > 0,
+            ttl_left_ms,
+            method: "POST".into(),
+            path: "/payments".into(),
+            content_type: Some("application/json".into()),
+            fingerprint: vec![7; 32],
+            status: Some(201),
+            headers: Some(b"content-type: application/json".to_vec()),
+            body: Some(bytes::Bytes::from_static(body)),
+        }
+    }
+
+    async fn hit(cache: &ReplayCache, digest: &[u8; 32]) -> Option<Arc<Entry>> {
+        match cache.look(digest).await {
+            Looked::Hit(entry) => Some(entry),
+            Looked::Miss(_) => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn kept_until_the_key_expires_or_the_refresh_passes() {
+        let cache = ReplayCache::new(1 << 20, Duration::from_millis(200)).expect("a cache");
+        let now = Instant::now();
+        // Expires in 50 ms: kept 49 ms, not the 200 ms refresh.
+        cache.committed(
+            [1; 32],
+            completed(b"{}", 50),
+            now,
+            Duration::from_millis(50),
+        );
+        assert!(hit(&cache, &[1; 32]).await.is_some());
+        // A record read with 10 s left: kept for the refresh only.
+        cache.keep([2; 32], &completed(b"{}", 10_000), now, None);
+        assert!(hit(&cache, &[2; 32]).await.is_some());
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(
+            hit(&cache, &[1; 32]).await.is_none(),
+            "past the key's expiry"
+        );
+        assert!(hit(&cache, &[2; 32]).await.is_some());
+        tokio::time::sleep(Duration::from_millis(160)).await;
+        assert!(hit(&cache, &[2; 32]).await.is_none(), "past the refresh");
+    }
+
+    #[tokio::test]
+    async fn only_completed_unexpired_records_are_kept() {
+        let cache = ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache");
+        let now = Instant::now();
+        cache.keep([1; 32], &completed(b"{}", 0), now, None);
+        assert!(hit(&cache, &[1; 32]).await.is_none(), "expired");
+        let mut claim = completed(b"{}", 10_000);
+        claim.completed = false;
+        cache.keep([2; 32], &claim, now, None);
+        assert!(hit(&cache, &[2; 32]).await.is_none(), "in flight");
+        assert_eq!(cache.weight(), 0);
+    }
+
+    #[tokio::test]
+    async fn waiting_lookups_get_what_the_filler_keeps() {
+        let cache = Arc::new(ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache"));
+        let Looked::Miss(filler) = cache.look(&[3; 32]).await else {
+            panic!("an empty cache has nothing");
+        };
+        let waiter = tokio::spawn({
+            let cache = Arc::clone(&cache);
+            async move { hit(&cache, &[3; 32]).await.is_some() }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "waits for the filler");
+        cache.keep(
+            [3; 32],
+            &completed(b"{}", 10_000),
+            Instant::now(),
+            Some(filler),
+        );
+        assert!(waiter.await.expect("joined"), "got the kept entry");
+    }
+
+    #[test]
+    fn bounded_in_bytes() {
+        let cache = ReplayCache::new(64 * 1024, Duration::from_secs(30)).expect("a cache");
+        let body = &[b'x'; 1000];
+        for n in 0..1000u32 {
+            let mut digest = [0; 32];
+            digest[..4].copy_from_slice(&n.to_be_bytes());
+            let found = Found {
+                body: Some(bytes::Bytes::copy_from_slice(body)),
+                ..completed(b"", 10_000)
+            };
+            cache.committed(digest, found, Instant::now(), Duration::from_secs(60));
+        }
+        assert!(cache.weight() <= 64 * 1024, "{} bytes", cache.weight());
+        assert!(cache.weight() > 16 * 1024, "{} bytes", cache.weight());
+    }
+
+    #[test]
+    fn zero_turns_it_off() {
+        assert!(ReplayCache::new(0, Duration::from_secs(30)).is_none());
+        assert!(ReplayCache::new(1 << 20, Duration::ZERO).is_none());
+    }
+}

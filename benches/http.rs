@@ -399,8 +399,16 @@ async fn serve_on<DB: idem::Backend + Shop>(
     size: usize,
     hand_written: Option<MethodRouter<App<DB>>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    // `IDEM_BENCH_REPLAY_CACHE=0` (inherited from the bench) measures without it.
+    let mut idempotency = Idempotency::builder(pool.clone());
+    if let Some(bytes) = std::env::var("IDEM_BENCH_REPLAY_CACHE")
+        .ok()
+        .and_then(|bytes| bytes.parse().ok())
+    {
+        idempotency = idempotency.replay_cache(bytes);
+    }
     let app = App {
-        idempotency: Idempotency::new(pool.clone()),
+        idempotency: idempotency.build()?,
         pool,
         redis: Arc::new(Redis::new("127.0.0.1:6379", size)),
     };

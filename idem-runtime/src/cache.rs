@@ -1,5 +1,5 @@
 //! Completed responses kept in process, so that retries of a completed key are
-//! answered without the database (`docs/contract.md` §5, "Replays from memory").
+//! answered without the database (`docs/contract.md` §6, "Replays from memory").
 //!
 //! A completed record never changes until its key expires or an operator deletes
 //! it, so a copy is exact for as long as it is kept, within two bounds: never past

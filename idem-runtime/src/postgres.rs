@@ -5,7 +5,6 @@
 
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::future::{Either, select};
 use sqlx::postgres::{PgListener, PgPool};
@@ -87,8 +86,6 @@ pub struct Sql {
     lock: Option<Arc<str>>,
     /// Plain layout only: the lookup that also claims the key when it finds nothing.
     open: Option<Arc<str>>,
-    /// Keys this store handled lately, where `open` is worth skipping for them.
-    seen: Option<Seen>,
     /// Statements stay prepared on their connection: not through a transaction
     /// pooler, where every statement is sent unprepared and inside a transaction.
     prepared: bool,
@@ -176,12 +173,9 @@ impl Driver for Postgres {
              WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
                AND state = 'processing' AND locked_until > clock_timestamp()"
         );
-        // Through a transaction pooler a read costs a transaction either way.
-        let seen = (open.is_some() && !layout.transaction_pooled).then(Seen::new);
         Sql {
             lock,
             open,
-            seen,
             prepared: !layout.transaction_pooled,
             table: table.into(),
             lock_left: lock_left(table).into(),
@@ -345,13 +339,10 @@ impl Driver for Postgres {
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<Opened<'c, Postgres>, sqlx::Error> {
-        // A key this store saw lately is probably completed: read it first, outside
-        // a transaction. Any other is probably new: claimed as it is read.
-        let read_first = sql
-            .seen
-            .as_ref()
-            .is_some_and(|seen| seen.check_in(signal_of(&id.digest)));
-        let Some(open) = sql.open.as_ref().filter(|_| !read_first) else {
+        // A completed key this process committed or read lately is answered from
+        // its replay cache before this; any other is probably new, so it is
+        // claimed in the statement that reads it.
+        let Some(open) = &sql.open else {
             return look_then_claim(conn, sql, id, claim).await;
         };
         let mut tx = begin(conn, sql).await?;
@@ -639,70 +630,9 @@ async fn relay_announcements(
     }
 }
 
-/// Slots of [`Seen`], in pairs: 256 KiB for each store that keeps one.
-const SEEN_SLOTS: usize = 1 << 15;
-
-/// The signals of keys this store handled lately, two per set, a newcomer taking
-/// either place: a hint for the order of statements only, never for an answer. A
-/// key seen before is probably completed, so it is read first, outside any
-/// transaction; an unseen one is probably new, so it is claimed in the statement
-/// that reads it. A wrong guess costs a round trip.
-struct Seen {
-    slots: Box<[AtomicU64]>,
-}
-
-impl std::fmt::Debug for Seen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Seen")
-            .field("slots", &self.slots.len())
-            .finish()
-    }
-}
-
-impl Seen {
-    fn new() -> Self {
-        Self {
-            slots: (0..SEEN_SLOTS).map(|_| AtomicU64::new(0)).collect(),
-        }
-    }
-
-    /// Notes `signal`; `true` if it was already noted and not pushed out since.
-    fn check_in(&self, signal: u64) -> bool {
-        // Low bits pick the set, a high one the place a newcomer takes; the whole
-        // signal is compared. Two keys sharing a set no longer push each other out.
-        let set = (signal as usize) & (SEEN_SLOTS - 2);
-        let pair = &self.slots[set..set + 2];
-        if pair
-            .iter()
-            .any(|slot| slot.load(Ordering::Relaxed) == signal)
-        {
-            return true;
-        }
-        pair[usize::from(signal & (1 << 40) != 0)].store(signal, Ordering::Relaxed);
-        false
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn seen_keys_are_recognised_until_pushed_out() {
-        let seen = Seen::new();
-        let key = signal_of(&crate::signal::key_digest("t", "", "order-1"));
-        assert!(!seen.check_in(key), "new");
-        assert!(seen.check_in(key), "seen");
-        // A second key in the same set sits beside it.
-        let beside = key ^ (1 << 40);
-        assert!(!seen.check_in(beside));
-        assert!(seen.check_in(key) && seen.check_in(beside), "both kept");
-        // A third one takes the place of the key whose high bit it shares.
-        let third = key ^ (1 << 41);
-        assert!(!seen.check_in(third));
-        assert!(!seen.check_in(key), "pushed out");
-        assert!(seen.check_in(beside), "its neighbour stays");
-    }
 
     use crate::{Idempotency, Options};
 

@@ -163,8 +163,17 @@ proptest! {
 /// or the key's record expiring.
 #[derive(Debug, Clone)]
 enum Step {
-    Send { key: u8, body: u8, answer: Answer },
-    Expire { key: u8 },
+    Send {
+        key: u8,
+        body: u8,
+        answer: Answer,
+    },
+    /// The key's expiry passes (the table's row is aged), or, on a store that
+    /// keeps replays in memory, an operator deletes it there (`forget`): either
+    /// way the key is as if never used.
+    Expire {
+        key: u8,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -200,7 +209,10 @@ fn step() -> impl Strategy<Value = Step> {
 
 struct Bench {
     runtime: tokio::runtime::Runtime,
+    /// Replays from the table only.
     store: Idempotency<Sqlite>,
+    /// The same table, replays kept in memory.
+    cached: Idempotency<Sqlite>,
     path: PathBuf,
 }
 
@@ -240,13 +252,18 @@ fn bench() -> &'static Bench {
                 .execute(&pool)
                 .await
                 .expect("effects");
-            let store = Idempotency::new(pool);
+            let store = Idempotency::builder(pool.clone())
+                .replay_cache(0)
+                .build()
+                .expect("store");
             store.migrate().await.expect("migrate");
-            store
+            (store, Idempotency::new(pool))
         });
+        let (store, cached) = store;
         Bench {
             runtime,
             store,
+            cached,
             path,
         }
     })
@@ -289,8 +306,9 @@ struct Recorded {
 
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
-fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
+fn run_steps(steps: &[Step], cached: bool) -> Result<(), TestCaseError> {
     let bench = bench();
+    let store = if cached { &bench.cached } else { &bench.store };
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
     bench.runtime.block_on(async {
         let mut model: HashMap<u8, Recorded> = HashMap::new();
@@ -298,6 +316,14 @@ fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
         let uri = Uri::from_static("/effects");
         for (n, step) in steps.iter().enumerate() {
             match step.clone() {
+                Step::Expire { key } if cached => {
+                    let name = format!("r{run}-k{key}");
+                    store
+                        .forget("model", &name)
+                        .await
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    model.remove(&key);
+                }
                 Step::Expire { key } => {
                     let name = format!("r{run}-k{key}");
                     sqlx::query(
@@ -318,8 +344,7 @@ fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
                         &uri,
                         &[b'a' + body],
                     );
-                    let response = bench
-                        .store
+                    let response = store
                         .execute(request, Options::new(), handler(name.clone(), answer))
                         .await;
                     let outcome = response.extensions().get::<Outcome>().copied();
@@ -378,6 +403,13 @@ proptest! {
 
     #[test]
     fn the_engine_follows_its_model(steps in prop::collection::vec(step(), 1..40)) {
-        run_steps(&steps)?;
+        run_steps(&steps, false)?;
+    }
+
+    #[test]
+    fn the_engine_with_replays_in_memory_follows_its_model(
+        steps in prop::collection::vec(step(), 1..40),
+    ) {
+        run_steps(&steps, true)?;
     }
 }

@@ -6,9 +6,13 @@
 //! the key's expiry (a retry after it must run again), and never longer than the
 //! store's `replay_cache_refresh` (how long an operator's deletion may go unseen
 //! by this process). Only committed records enter: one this process just
-//! committed, or one it read from the table.
+//! committed, or one it read from the table. And a copy is trusted only while the
+//! database has not failed since it was read: a failover to a replica that had
+//! not received a commit loses the row, and the retry must then run again, as it
+//! would without the cache.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use quick_cache::sync::{Cache, DefaultLifecycle, PlaceholderGuard};
@@ -25,6 +29,8 @@ const ENTRY_OVERHEAD: u64 = 256;
 pub(crate) struct Entry {
     pub(crate) found: Found,
     until: Instant,
+    /// The store's epoch when the record was read or claimed.
+    epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +65,9 @@ pub(crate) type Filler<'a> = PlaceholderGuard<
 pub(crate) struct ReplayCache {
     entries: Entries,
     refresh: Duration,
+    /// Counts the database's failures seen by this store; entries of an earlier
+    /// count are not trusted.
+    epoch: AtomicU64,
 }
 
 pub(crate) enum Looked<'a> {
@@ -83,6 +92,7 @@ impl ReplayCache {
         Some(Self {
             entries: Cache::with_weighter(items, max_bytes, ByBytes),
             refresh,
+            epoch: AtomicU64::new(0),
         })
     }
 
@@ -91,7 +101,9 @@ impl ReplayCache {
     pub(crate) async fn look(&self, digest: &[u8; 32]) -> Looked<'_> {
         loop {
             match self.entries.get_value_or_guard_async(digest).await {
-                Ok(entry) if Instant::now() < entry.until => return Looked::Hit(entry),
+                Ok(entry) if Instant::now() < entry.until && entry.epoch == self.epoch() => {
+                    return Looked::Hit(entry);
+                }
                 Ok(stale) => {
                     self.entries
                         .remove_if(digest, |kept| Arc::ptr_eq(kept, &stale));
@@ -101,39 +113,51 @@ impl ReplayCache {
         }
     }
 
-    /// Keeps `found` if it is a completed, unexpired record; `read_at` is an
-    /// instant no later than the database's reading of it (its `ttl_left_ms`).
-    /// Through `filler` when this request holds it, so that waiting requests get it.
+    /// The current epoch, to be read before the database is.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// The database failed: nothing kept until now is trusted any more.
+    pub(crate) fn distrust(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Keeps `found` if it is a completed, unexpired record; `read` is an instant
+    /// no later than the database's reading of it (its `ttl_left_ms`), and the
+    /// epoch then. Through `filler` when this request holds it, so that waiting
+    /// requests get it.
     pub(crate) fn keep(
         &self,
         digest: [u8; 32],
         found: &Found,
-        read_at: Instant,
+        read: (Instant, u64),
         filler: Option<Filler<'_>>,
     ) {
         if found.completed && found.fresh {
             let left = Duration::from_millis(found.ttl_left_ms.unsigned_abs());
-            self.put(digest, found.clone(), read_at, left, filler);
+            self.put(digest, found.clone(), read, left, filler);
         }
     }
 
-    /// Keeps the record this process just committed; `claimed_at` is an instant no
-    /// later than the claim that set its expiry, `ttl` the expiry it set.
+    /// Keeps the record this process just committed; `claimed` is an instant no
+    /// later than the claim that set its expiry, and the epoch then; `ttl` the
+    /// expiry it set.
     pub(crate) fn committed(
         &self,
         digest: [u8; 32],
         found: Found,
-        claimed_at: Instant,
+        claimed: (Instant, u64),
         ttl: Duration,
     ) {
-        self.put(digest, found, claimed_at, ttl, None);
+        self.put(digest, found, claimed, ttl, None);
     }
 
     fn put(
         &self,
         digest: [u8; 32],
         found: Found,
-        from: Instant,
+        (from, epoch): (Instant, u64),
         left: Duration,
         filler: Option<Filler<'_>>,
     ) {
@@ -141,10 +165,14 @@ impl ReplayCache {
         // keeps the copy strictly inside the key's life.
         let left = left.saturating_sub(Duration::from_millis(1));
         let until = from + left.min(self.refresh);
-        if until <= Instant::now() {
+        if until <= Instant::now() || epoch != self.epoch() {
             return;
         }
-        let entry = Arc::new(Entry { found, until });
+        let entry = Arc::new(Entry {
+            found,
+            until,
+            epoch,
+        });
         match filler {
             // `Err`: the placeholder was removed meanwhile (an operator's `forget`).
             Some(filler) => drop(filler.insert(entry)),
@@ -198,12 +226,12 @@ mod tests {
         cache.committed(
             [1; 32],
             completed(b"{}", 50),
-            now,
+            (now, 0),
             Duration::from_millis(50),
         );
         assert!(hit(&cache, &[1; 32]).await.is_some());
         // A record read with 10 s left: kept for the refresh only.
-        cache.keep([2; 32], &completed(b"{}", 10_000), now, None);
+        cache.keep([2; 32], &completed(b"{}", 10_000), (now, 0), None);
         assert!(hit(&cache, &[2; 32]).await.is_some());
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(
@@ -219,11 +247,11 @@ mod tests {
     async fn only_completed_unexpired_records_are_kept() {
         let cache = ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache");
         let now = Instant::now();
-        cache.keep([1; 32], &completed(b"{}", 0), now, None);
+        cache.keep([1; 32], &completed(b"{}", 0), (now, 0), None);
         assert!(hit(&cache, &[1; 32]).await.is_none(), "expired");
         let mut claim = completed(b"{}", 10_000);
         claim.completed = false;
-        cache.keep([2; 32], &claim, now, None);
+        cache.keep([2; 32], &claim, (now, 0), None);
         assert!(hit(&cache, &[2; 32]).await.is_none(), "in flight");
         assert_eq!(cache.weight(), 0);
     }
@@ -243,10 +271,29 @@ mod tests {
         cache.keep(
             [3; 32],
             &completed(b"{}", 10_000),
-            Instant::now(),
+            (Instant::now(), 0),
             Some(filler),
         );
         assert!(waiter.await.expect("joined"), "got the kept entry");
+    }
+
+    #[tokio::test]
+    async fn a_failed_database_ends_every_copy() {
+        let cache = ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache");
+        let before = (Instant::now(), cache.epoch());
+        cache.keep([1; 32], &completed(b"{}", 10_000), before, None);
+        assert!(hit(&cache, &[1; 32]).await.is_some());
+        cache.distrust();
+        assert!(
+            hit(&cache, &[1; 32]).await.is_none(),
+            "read before the failure"
+        );
+        // A read that began before the failure and ends after it is not kept.
+        cache.keep([2; 32], &completed(b"{}", 10_000), before, None);
+        assert!(hit(&cache, &[2; 32]).await.is_none());
+        let after = (Instant::now(), cache.epoch());
+        cache.keep([2; 32], &completed(b"{}", 10_000), after, None);
+        assert!(hit(&cache, &[2; 32]).await.is_some());
     }
 
     #[test]
@@ -260,7 +307,7 @@ mod tests {
                 body: Some(bytes::Bytes::copy_from_slice(body)),
                 ..completed(b"", 10_000)
             };
-            cache.committed(digest, found, Instant::now(), Duration::from_secs(60));
+            cache.committed(digest, found, (Instant::now(), 0), Duration::from_secs(60));
         }
         assert!(cache.weight() <= 64 * 1024, "{} bytes", cache.weight());
         assert!(cache.weight() > 16 * 1024, "{} bytes", cache.weight());

@@ -19,7 +19,7 @@ use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
 use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded};
-use crate::cache::{Filler, Looked};
+use crate::cache::{Filler, Looked, ReplayCache};
 use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::options::Options;
@@ -468,6 +468,8 @@ impl<DB: Backend> Idempotency<DB> {
     {
         let began = Instant::now();
         let cache = self.inner.replay_cache.as_ref();
+        // When the database is read or claimed from, for what the cache keeps.
+        let read = (began, cache.map_or(0, ReplayCache::epoch));
         // A completed key this process keeps is answered here; one it does not is
         // looked up by one request of this process at a time (`filler`).
         let mut filler = None;
@@ -502,7 +504,7 @@ impl<DB: Backend> Idempotency<DB> {
             other => match other.map(Opened::found) {
                 Ok(Some(found)) => {
                     if let Some(cache) = cache {
-                        cache.keep(id.digest, &found, began, filler.take());
+                        cache.keep(id.digest, &found, read, filler.take());
                     }
                     let (replace, takeover) = match self.decide(Some(&found), id) {
                         Decision::Claim { replace, takeover } => (replace, takeover),
@@ -576,12 +578,13 @@ impl<DB: Backend> Idempotency<DB> {
                 let announce = waits.then_some(signal);
                 let recording = Instant::now();
                 match DB::idem_record(&mut open, sql, id, lease, recorded, announce).await {
-                    Ok(true) => match open.commit().await {
-                        (conn, Ok(())) => {
+                    Ok(true) => match DB::idem_commit(&mut open, sql, id).await {
+                        Ok(()) => {
+                            let conn = open.into_conn();
                             metrics::recorded(recording.elapsed(), endpoint);
                             if let Some(cache) = cache {
                                 let found = Found::recorded(id, &response, headers);
-                                cache.committed(id.digest, found, began, options.ttl_duration());
+                                cache.committed(id.digest, found, read, options.ttl_duration());
                             }
                             clean = true;
                             committed = true;
@@ -593,7 +596,8 @@ impl<DB: Backend> Idempotency<DB> {
                             (outcome, response, conn)
                         }
                         // The commit may or may not have happened: a retry finds out.
-                        (conn, Err(error)) => {
+                        Err(error) => {
+                            let conn = open.into_conn();
                             clean = false;
                             let (outcome, response) = self.store_failed(&error);
                             (outcome, response, conn)
@@ -672,11 +676,12 @@ impl<DB: Backend> Idempotency<DB> {
             conn.close_on_drop();
             return self.store_failed(&error).into();
         }
-        let read_at = Instant::now();
+        let cache = self.inner.replay_cache.as_ref();
+        let read = (Instant::now(), cache.map_or(0, ReplayCache::epoch));
         match DB::idem_lookup(conn, sql, id).await {
             Ok(found) => {
-                if let (Some(cache), Some(found)) = (&self.inner.replay_cache, &found) {
-                    cache.keep(id.digest, found, read_at, filler);
+                if let (Some(cache), Some(found)) = (cache, &found) {
+                    cache.keep(id.digest, found, read, filler);
                 }
                 match self.decide(found.as_ref(), id) {
                     Decision::Answer(outcome, response) => Step::Done(outcome, response),
@@ -833,6 +838,11 @@ impl<DB: Backend> Idempotency<DB> {
 
     fn store_failed(&self, error: &sqlx::Error) -> (Outcome, Response<Bytes>) {
         tracing::warn!(%error, "idempotency store failed");
+        // The database may have failed over to a replica that lacks commits this
+        // process kept: its retries must read the table again.
+        if let Some(cache) = &self.inner.replay_cache {
+            cache.distrust();
+        }
         // SERIALIZABLE (or REPEATABLE READ) refused the transaction: it committed
         // nothing, and saying so spares a client the doubt.
         let serialization = matches!(error, sqlx::Error::Database(e)

@@ -19,11 +19,21 @@ use crate::{BODY, start, unique_suffix};
 /// start as the driver's defaults (the harness's own session settings are not
 /// carried over): only reads of the key table go through it.
 fn counted<H: Harness>(h: &H, refresh: Duration) -> (Idempotency<H::DB>, Arc<AtomicUsize>) {
+    counted_on(h, refresh, 8)
+}
+
+/// [`counted`] with a pool of `size` connections, which waits at most 500 ms for one.
+fn counted_on<H: Harness>(
+    h: &H,
+    refresh: Duration,
+    size: u32,
+) -> (Idempotency<H::DB>, Arc<AtomicUsize>) {
     let options = h.another_instance().pool().connect_options();
     let acquired = Arc::new(AtomicUsize::new(0));
     let (opened, reused) = (Arc::clone(&acquired), Arc::clone(&acquired));
     let pool = PoolOptions::<H::DB>::new()
-        .max_connections(8)
+        .max_connections(size)
+        .acquire_timeout(Duration::from_millis(500))
         .after_connect(move |_, _| {
             opened.fetch_add(1, Ordering::SeqCst);
             Box::pin(async { Ok(()) })
@@ -238,5 +248,38 @@ pub async fn forgotten_keys_run_again<H: Harness>() {
         "scoped"
     );
     assert_eq!(h.key_rows("alice").await.len(), 1);
+    h.finish().await;
+}
+
+/// When the database fails (here: no connection to be had), an instance trusts
+/// none of its copies any more: after a failover the table may lack a commit it
+/// kept, and a retry must then run again.
+pub async fn a_failed_database_ends_the_copies<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let (store, acquired) = counted_on(&h, Duration::from_secs(60), 1);
+    let app = router_on::<H>(store.clone());
+    let key = format!("k-mem-fail-db-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY);
+    let first = send(&app, &req).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed), "{}", first.text());
+    let before = acquired.load(Ordering::SeqCst);
+    assert_replays(&[send(&app, &req).await], &first);
+    assert_eq!(acquired.load(Ordering::SeqCst), before, "from memory");
+
+    let held = store.pool().acquire().await.expect("the one connection");
+    let starved = send(&app, &Req::post("alice", &format!("{key}-new"), BODY)).await;
+    assert_eq!(starved.status, 503, "{}", starved.text());
+    assert_eq!(starved.outcome, Some(Outcome::StoreFailed));
+    drop(held);
+    let read = acquired.load(Ordering::SeqCst);
+    assert_replays(&[send(&app, &req).await], &first);
+    assert_eq!(
+        acquired.load(Ordering::SeqCst),
+        read + 1,
+        "read from the table"
+    );
+    assert_replays(&[send(&app, &req).await], &first);
+    assert_eq!(acquired.load(Ordering::SeqCst), read + 1, "and kept again");
+    assert_eq!(h.effects("alice").await, 1);
     h.finish().await;
 }

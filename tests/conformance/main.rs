@@ -44,8 +44,8 @@ use tokio::sync::Barrier;
 
 use app::{Got, Req, router, send};
 use cache::{
-    completed_keys_are_replayed_from_memory, forgotten_keys_run_again,
-    kept_responses_end_with_their_key, only_committed_responses_are_kept,
+    a_failed_database_ends_the_copies, completed_keys_are_replayed_from_memory,
+    forgotten_keys_run_again, kept_responses_end_with_their_key, only_committed_responses_are_kept,
 };
 use edges::{
     content_type_is_part_of_the_identity, expired_key_duplicates_answer_at_once,
@@ -1220,4 +1220,5 @@ conformance!(
     kept_responses_end_with_their_key,
     only_committed_responses_are_kept,
     forgotten_keys_run_again,
+    a_failed_database_ends_the_copies,
 );

@@ -24,10 +24,10 @@
 //! - `bare`: the handler with a sqlx transaction, no idempotency;
 //! - `hand-written`: the floor of idem's design on that backend for a new key, by
 //!   hand behind axum. PostgreSQL: in one transaction, a statement that reads the
-//!   key and claims it under an advisory try-lock, the write, the record. MySQL: a
-//!   look-up, then in one transaction a claim guarded by `GET_LOCK(…, 0)`, the
-//!   write, the record, and the lock freed. SQLite: a look-up, then in one
-//!   `BEGIN IMMEDIATE` transaction the claim, the write, the record;
+//!   key and claims it under an advisory try-lock, the write, the record. MySQL: in
+//!   one transaction a claim guarded by `GET_LOCK(…, 0)`, the write, the record,
+//!   the lock freed with the COMMIT (a taken key is read then). SQLite: a look-up,
+//!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
 //! - `idem-replay-cold`: every request a stored key this instance never saw (as
@@ -218,9 +218,9 @@ async fn hand_written(
     .await
 }
 
-/// MySQL's floor for a new key: look the key up; in one transaction, claim it
-/// with an INSERT guarded by a named try-lock (`GET_LOCK(…, 0)`), the write, the
-/// record; then free the lock.
+/// MySQL's floor for a new key: in one transaction, claim it with an INSERT
+/// guarded by a named try-lock (`GET_LOCK(…, 0)`), the write, the record; the
+/// lock freed in the COMMIT's round trip. A key found taken is read then.
 async fn hand_written_mysql(
     State(app): State<App<MySql>>,
     headers: HeaderMap,
@@ -228,15 +228,6 @@ async fn hand_written_mysql(
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
         let mut conn = app.pool.acquire().await?;
-        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
-            "SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = ?",
-        )
-        .bind(&key)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if let Some(answer) = answer_stored(found) {
-            return Ok(answer);
-        }
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         let claimed = sqlx::query(
             "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
@@ -249,9 +240,26 @@ async fn hand_written_mysql(
         .bind(&key)
         .bind(&key)
         .execute(&mut *tx)
-        .await?;
-        if claimed.rows_affected() == 0 {
-            return Ok((StatusCode::CONFLICT, Vec::new()));
+        .await;
+        let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
+        match claimed {
+            Ok(done) if done.rows_affected() == 1 => {}
+            Ok(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+                let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                    "SELECT state, body FROM idempotency_keys \
+                     WHERE scope = '' AND idempotency_key = ?",
+                )
+                .bind(&key)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let release = format!("DO RELEASE_LOCK({lock})");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(release))
+                    .execute(&mut *tx)
+                    .await?;
+                return Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())));
+            }
+            Err(error) => return Err(error),
         }
         let payment = MySql::insert(&mut tx, &key, &new).await?;
         let out = serde_json::to_vec(&payment).unwrap_or_default();
@@ -263,14 +271,20 @@ async fn hand_written_mysql(
         .bind(&key)
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
-        sqlx::query("DO RELEASE_LOCK(MD5(?))")
-            .bind(&key)
-            .execute(&mut *conn)
+        let commit = format!("COMMIT; DO RELEASE_LOCK({lock})");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(commit))
+            .execute(&mut *tx)
             .await?;
+        // The server committed; sqlx's guard sends a ROLLBACK that does nothing.
+        drop(tx);
         Ok((StatusCode::CREATED, out))
     })
     .await
+}
+
+/// Lowercase hex of `bytes`, for a literal in a text query.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// SQLite's floor for a new key: look the key up; in one write transaction

@@ -413,6 +413,19 @@ pub mod sealed {
             let _ = (pool, signals, stop);
         }
 
+        /// Commits the handler's transaction, its recorded response included. A
+        /// backend may end the claim's session state in the same round trip; its
+        /// `idem_finish` then has nothing left to do once `committed`.
+        #[doc(hidden)]
+        fn idem_commit<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            id: &'c Identity<'c>,
+        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c {
+            let _ = (sql, id);
+            <Self::TransactionManager as sqlx_core::transaction::TransactionManager>::commit(conn)
+        }
+
         /// Runs after the handler's transaction ended (`committed` or rolled back):
         /// frees a claim that outlives the transaction (SQLite's committed row, after
         /// a rollback, if `lease` still holds it) and session state the claim took

@@ -7,9 +7,10 @@
 use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
+use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, sealed::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::key::to_hex;
@@ -180,6 +181,39 @@ impl Driver for MySql {
         Found::load::<MySql>(conn, &sql.lookup, id, true).await
     }
 
+    async fn idem_open<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        claim: Claim,
+    ) -> Result<Opened<'c, MySql>, sqlx::Error> {
+        // A completed key this process kept was answered from its replay cache
+        // before this; any other is probably new, so it is claimed first and read
+        // only if the claim fails.
+        let mut tx = begin(conn, claim).await?;
+        let claimed = claim
+            .bind(id, sqlx::query(AssertSqlSafe(sql.claim_new.clone())))
+            .bind(lock_seed(id))
+            .execute(&mut *tx)
+            .await;
+        match claimed {
+            Ok(done) if done.rows_affected() == 1 => return Ok(Opened::Claimed(tx)),
+            Ok(_) => {}
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {}
+            Err(error) => {
+                // The engine releases the named lock (`idem_finish`).
+                return Err(error);
+            }
+        }
+        // Taken, or its lock busy: read what is stored (a row a failed INSERT
+        // found is committed; an executor's own claim is not visible), then free
+        // what the attempt took. The ROLLBACK goes out with the next statement.
+        let found = Found::load::<MySql>(&mut tx, &sql.lookup, id, true).await?;
+        finish(&mut tx, sql, id).await?;
+        drop(tx);
+        Ok(found.map_or(Opened::Lost, Opened::Found))
+    }
+
     async fn idem_claim<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Sql,
@@ -203,16 +237,8 @@ impl Driver for MySql {
                 return Ok(None);
             }
         }
-        // The session's own timeouts are saved, to be restored by `finish`.
-        let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
-        let begin = format!(
-            "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
-                 @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout; \
-             SET SESSION wait_timeout = {wait_secs}, innodb_lock_wait_timeout = {wait_secs}; \
-             BEGIN"
-        );
         // On an error the engine releases the named lock (`idem_finish`).
-        let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+        let mut tx = begin(conn, claim).await?;
         let mut query = claim.bind(id, sqlx::query(AssertSqlSafe(statement.clone())));
         if !claim.replace {
             query = query.bind(lock_seed(id));
@@ -301,14 +327,36 @@ impl Driver for MySql {
             .await
     }
 
+    async fn idem_commit(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+    ) -> Result<(), sqlx::Error> {
+        // `finish` rides on the COMMIT, one round trip for both: a text query, so
+        // the lock's seed (hex digits) is written into it.
+        let quoted = format!("'{}'", lock_seed(id));
+        let commit = format!("COMMIT; {}", sql.finish.replacen('?', &quoted, 1));
+        sqlx::raw_sql(AssertSqlSafe(commit))
+            .execute(&mut *conn)
+            .await?;
+        // sqlx still counts the transaction the server has just ended; its ROLLBACK
+        // does nothing now and goes out with the connection's next statement.
+        <MySql as sqlx::Database>::TransactionManager::start_rollback(conn);
+        Ok(())
+    }
+
     async fn idem_finish(
         conn: &mut MySqlConnection,
         sql: &Sql,
         id: &Identity<'_>,
         _lease: i64,
-        _committed: bool,
+        committed: bool,
     ) -> Result<(), sqlx::Error> {
-        // The row needs nothing: the claim was part of the transaction.
+        // The row needs nothing: the claim was part of the transaction. After a
+        // commit, `idem_commit` has finished already.
+        if committed {
+            return Ok(());
+        }
         finish(conn, sql, id).await
     }
 
@@ -399,6 +447,22 @@ async fn apply(
 }
 
 /// Releases the claim's named lock and restores the session's timeouts.
+/// Begins the claim's transaction, the session's timeouts set to its lock in the
+/// same round trip; their own values are saved, to be restored by `finish`.
+async fn begin(
+    conn: &mut MySqlConnection,
+    claim: Claim,
+) -> Result<Transaction<'_, MySql>, sqlx::Error> {
+    let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
+    let begin = format!(
+        "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
+             @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout; \
+         SET SESSION wait_timeout = {wait_secs}, innodb_lock_wait_timeout = {wait_secs}; \
+         BEGIN"
+    );
+    conn.begin_with(AssertSqlSafe(begin)).await
+}
+
 async fn finish(
     conn: &mut MySqlConnection,
     sql: &Sql,

@@ -176,6 +176,12 @@ impl<DB: Database> Open<DB> {
         (self.release(), clean)
     }
 
+    /// The connection, still inside the transaction a backend's own commit ends
+    /// (see `Backend::idem_commit`).
+    pub(crate) fn into_conn(self) -> PoolConnection<DB> {
+        self.release()
+    }
+
     fn release(mut self) -> PoolConnection<DB> {
         match self.conn.take() {
             Some(conn) => conn,

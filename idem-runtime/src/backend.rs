@@ -259,14 +259,17 @@ pub(crate) async fn look_then_claim<'c, DB: sealed::Driver>(
     })
 }
 
-/// Store settings that change the SQL a backend sends; only PostgreSQL has any.
+/// Store settings that change the SQL a backend sends.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Layout {
-    /// The layout partitioned by day of expiry.
+    /// PostgreSQL: the layout partitioned by day of expiry.
     pub partitioned: bool,
-    /// Connections go through a pooler in transaction mode: statements are sent
-    /// unprepared, and only inside transactions.
+    /// PostgreSQL: connections go through a pooler in transaction mode: statements
+    /// are sent unprepared, and only inside transactions.
     pub transaction_pooled: bool,
+    /// SQLite: the handler's transaction takes the write lock at its first write,
+    /// not at `BEGIN`.
+    pub deferred: bool,
 }
 
 /// One file of `migrations/<backend>/`.

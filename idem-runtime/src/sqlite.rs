@@ -24,6 +24,8 @@ pub struct Sql {
     release: Arc<str>,
     lock_left: Arc<str>,
     sweep: Arc<str>,
+    /// How the handler's transaction begins.
+    begin: &'static str,
 }
 
 impl Driver for Sqlite {
@@ -42,8 +44,13 @@ impl Driver for Sqlite {
         ]
     }
 
-    fn idem_sql(table: &str, _layout: Layout) -> Sql {
+    fn idem_sql(table: &str, layout: Layout) -> Sql {
         Sql {
+            begin: if layout.deferred {
+                "BEGIN DEFERRED"
+            } else {
+                "BEGIN IMMEDIATE"
+            },
             lookup: format!(
                 "SELECT state, method, path, content_type, fingerprint, status, headers, body, \
                         locked_until > {NOW_MS} AS live, expires_at - {NOW_MS} AS ttl_left_ms \
@@ -148,7 +155,7 @@ impl Driver for Sqlite {
         // The busy timeout comes back in the same round trip as the `BEGIN`, which
         // must wait for the writer as configured. If this fails the claim is
         // committed: the engine releases it.
-        let begin = format!("PRAGMA busy_timeout = {patience}; BEGIN IMMEDIATE");
+        let begin = format!("PRAGMA busy_timeout = {patience}; {}", sql.begin);
         conn.begin_with(AssertSqlSafe(begin)).await.map(Some)
     }
 
@@ -166,15 +173,27 @@ impl Driver for Sqlite {
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(lease)
-            .bind(response.status)
-            .bind(response.headers)
-            .bind(response.body)
-            .execute(conn)
-            .await?;
+        let record = || {
+            sqlx::query(AssertSqlSafe(sql.record.clone()))
+                .bind(id.scope)
+                .bind(id.key)
+                .bind(lease)
+                .bind(response.status)
+                .bind(response.headers)
+                .bind(response.body)
+        };
+        let done = match record().execute(&mut *conn).await {
+            // A deferred transaction whose snapshot went stale before its first
+            // write (517, SQLITE_BUSY_SNAPSHOT). It holds no write, or it would
+            // hold the lock: begun again as a writer, it loses nothing.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("517") => {
+                sqlx::raw_sql("ROLLBACK; BEGIN IMMEDIATE")
+                    .execute(&mut *conn)
+                    .await?;
+                record().execute(&mut *conn).await?
+            }
+            done => done?,
+        };
         Ok(done.rows_affected() == 1)
     }
 

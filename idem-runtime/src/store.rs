@@ -131,6 +131,7 @@ impl<DB: Backend> Idempotency<DB> {
             replay_cache_refresh: DEFAULT_REPLAY_CACHE_REFRESH,
             partitioned: false,
             transaction_pooled: false,
+            deferred: false,
             listen_pool: None,
         }
     }
@@ -223,6 +224,7 @@ pub struct Builder<DB: Backend> {
     replay_cache_refresh: Duration,
     partitioned: bool,
     transaction_pooled: bool,
+    deferred: bool,
     listen_pool: Option<Pool<DB>>,
 }
 
@@ -318,6 +320,7 @@ impl<DB: Backend> Builder<DB> {
         let layout = Layout {
             partitioned: self.partitioned,
             transaction_pooled: self.transaction_pooled,
+            deferred: self.deferred,
         };
         let sql = DB::idem_sql(&self.table, layout);
         Idempotency {
@@ -404,6 +407,35 @@ impl Builder<sqlx::Postgres> {
     /// [`transaction_pooled`](Self::transaction_pooled)).
     pub fn listen_pool(mut self, pool: sqlx::PgPool) -> Self {
         self.listen_pool = Some(pool);
+        self
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Builder<sqlx::Sqlite> {
+    /// Begins each handler's transaction deferred: SQLite's one write lock is
+    /// taken at the handler's first write instead of before the handler runs, so
+    /// that what a handler waits for before it writes (a provider's answer)
+    /// overlaps with other keys' handlers instead of queueing them all.
+    ///
+    /// The handler must then write before it reads, or read nothing it depends
+    /// on: in WAL mode a transaction that read and then writes fails with
+    /// `SQLITE_BUSY` (a stale snapshot) when another writer committed in between,
+    /// and no waiting fixes that. Such a failure rolls back and frees the key, as
+    /// any error does; a handler that wrote nothing still has its answer recorded.
+    /// See the repository's `docs/backends.md`, "SQLite".
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # async fn demo(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_runtime::Idempotency;
+    ///
+    /// let idempotency = Idempotency::builder(pool).write_lock_at_first_write().build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn write_lock_at_first_write(mut self) -> Self {
+        self.deferred = true;
         self
     }
 }

@@ -140,10 +140,33 @@ async fn effect<H: Harness>(
         .get("x-escape")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    // A handler that waits (on `x-gate`) before it writes, reads first, or writes
+    // nothing at all.
+    let wait_first = headers.contains_key("x-wait-before-write");
+    let read_first = headers.contains_key("x-read-first");
+    let no_write = headers.contains_key("x-no-write");
 
     request
         .run(&scope.clone(), options, move |mut tx| {
             Box::pin(async move {
+                if read_first {
+                    let read = H::exec(&mut *tx, "SELECT count(*) FROM effects", &[]).await;
+                    if let Err(error) = read {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+                            .into_response();
+                    }
+                }
+                if wait_first {
+                    if let Some(key) = key.clone() {
+                        mark_started(key);
+                    }
+                    if let Some(gate) = &gate {
+                        wait_for_gate(gate).await;
+                    }
+                }
+                if no_write {
+                    return (StatusCode::CREATED, "wrote nothing").into_response();
+                }
                 let id = match H::insert_effect(&mut tx, &scope, &note).await {
                     Ok(id) => id,
                     Err(error) => {

@@ -237,4 +237,4 @@ pub use mysql::My;
 #[cfg(feature = "postgres")]
 pub use postgres::{Pg, PgParted};
 #[cfg(feature = "sqlite")]
-pub use sqlite::Lite;
+pub use sqlite::{Lite, LiteDeferred};

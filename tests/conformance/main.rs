@@ -33,6 +33,8 @@ mod harness;
 #[cfg(feature = "postgres")]
 mod partitions;
 mod realistic;
+#[cfg(feature = "sqlite")]
+mod writer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,10 +55,10 @@ use edges::{
     the_table_holds_legal_requests_and_responses,
 };
 use harness::Harness;
-#[cfg(feature = "sqlite")]
-use harness::Lite;
 #[cfg(feature = "mysql")]
 use harness::My;
+#[cfg(feature = "sqlite")]
+use harness::{Lite, LiteDeferred};
 #[cfg(feature = "postgres")]
 use harness::{Pg, PgParted};
 use realistic::{
@@ -1164,6 +1166,15 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     super::$test::<super::Lite>().await;
+                }
+            )*
+        }
+        #[cfg(feature = "sqlite")]
+        mod sqlite_deferred {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<super::LiteDeferred>().await;
                 }
             )*
         }

@@ -1,4 +1,5 @@
-//! SQLite, one file per test.
+//! SQLite, one file per test: handlers' transactions begun `IMMEDIATE` (`Lite`),
+//! or taking the write lock at their first write (`LiteDeferred`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,14 +10,17 @@ use sqlx::{Row, Sqlite, SqlitePool};
 
 use super::*;
 
-pub struct Lite {
+pub struct LiteMode<const DEFERRED: bool> {
     pool: SqlitePool,
     store: Idempotency<Sqlite>,
     path: PathBuf,
     _leftover: Leftover,
 }
 
-impl Lite {
+pub type Lite = LiteMode<false>;
+pub type LiteDeferred = LiteMode<true>;
+
+impl<const DEFERRED: bool> LiteMode<DEFERRED> {
     fn connect_options(path: &PathBuf) -> SqliteConnectOptions {
         SqliteConnectOptions::new()
             .filename(path)
@@ -26,7 +30,7 @@ impl Lite {
     }
 }
 
-impl Harness for Lite {
+impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
     type DB = Sqlite;
 
     // One writer: nobody waits for a row.
@@ -53,10 +57,11 @@ impl Harness for Lite {
         .execute(&pool)
         .await
         .expect("create effects");
-        let store = Idempotency::builder(pool.clone())
-            .max_response_bytes(max_response_bytes)
-            .build()
-            .expect("store");
+        let mut builder = Idempotency::builder(pool.clone()).max_response_bytes(max_response_bytes);
+        if DEFERRED {
+            builder = builder.write_lock_at_first_write();
+        }
+        let store = builder.build().expect("store");
         store.migrate().await.expect("migrate");
         let files = path.clone();
         let leftover = Leftover(Some(Box::new(move || {
@@ -194,10 +199,20 @@ impl Harness for Lite {
     }
 
     fn store_on(&self, table: &str) -> Idempotency<Sqlite> {
-        Idempotency::builder(self.pool.clone())
+        self.instance_on(self.pool.clone())
             .table(table)
             .build()
             .expect("store")
+    }
+
+    fn instance_on(&self, pool: SqlitePool) -> Builder<Sqlite> {
+        let builder =
+            Idempotency::builder(pool).max_response_bytes(self.store.max_response_bytes());
+        if DEFERRED {
+            builder.write_lock_at_first_write()
+        } else {
+            builder
+        }
     }
 
     async fn open_transactions(&self) -> i64 {

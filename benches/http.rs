@@ -126,6 +126,7 @@ async fn idem<DB: idem::Backend + Shop>(
     mut tx: Tx<DB>,
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
+    shop::provider().await;
     match DB::insert(&mut tx, key.as_str(), &new).await {
         Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
         Err(error) => failed(error),
@@ -407,8 +408,30 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// A backend's store settings from the bench's environment.
+trait Tune: idem::Backend {
+    fn tune(builder: idem::Builder<Self>) -> idem::Builder<Self> {
+        builder
+    }
+}
+
+impl Tune for Postgres {}
+
+impl Tune for MySql {}
+
+impl Tune for Sqlite {
+    /// `IDEM_BENCH_SQLITE_DEFERRED=1`: the write lock at the handler's first write.
+    fn tune(builder: idem::Builder<Self>) -> idem::Builder<Self> {
+        if std::env::var_os("IDEM_BENCH_SQLITE_DEFERRED").is_some() {
+            builder.write_lock_at_first_write()
+        } else {
+            builder
+        }
+    }
+}
+
 /// Serves the variant `VARIANT` asks for; `hand_written`, where that backend has one.
-async fn serve_on<DB: idem::Backend + Shop>(
+async fn serve_on<DB: idem::Backend + Shop + Tune>(
     pool: Pool<DB>,
     size: usize,
     hand_written: Option<MethodRouter<App<DB>>>,
@@ -421,6 +444,7 @@ async fn serve_on<DB: idem::Backend + Shop>(
     {
         idempotency = idempotency.replay_cache(bytes);
     }
+    let idempotency = DB::tune(idempotency);
     let app = App {
         idempotency: idempotency.build()?,
         pool,

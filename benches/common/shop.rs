@@ -88,6 +88,21 @@ pub(crate) fn failed(error: sqlx::Error) -> Response {
     (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
 }
 
+/// What a handler waits for before its write (a provider's answer): the
+/// milliseconds in `IDEM_BENCH_HANDLER_WAIT_MS`, none by default.
+pub(crate) async fn provider() {
+    static WAIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let ms = *WAIT.get_or_init(|| {
+        std::env::var("IDEM_BENCH_HANDLER_WAIT_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .unwrap_or(0)
+    });
+    if ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}
+
 /// The handler every variant serves: JSON in, the write in a transaction, JSON out.
 pub(crate) async fn pay<DB: Shop>(
     State(pool): State<Pool<DB>>,
@@ -95,6 +110,7 @@ pub(crate) async fn pay<DB: Shop>(
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
     let run = async {
+        provider().await;
         let mut tx = pool.begin().await?;
         let payment = DB::insert(&mut tx, &key_of(&headers), &new).await?;
         tx.commit().await?;

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem::Backend;
+use idem::{Backend, Builder};
 #[cfg(feature = "mysql")]
 use sqlx::{MySql, MySqlConnection};
 #[cfg(feature = "postgres")]
@@ -50,6 +50,36 @@ impl<DB: Ledger> Provider<DB> {
         tokio::time::sleep(self.latency).await;
         Ok(charge)
     }
+
+    /// Cancels the charge made under `key`, if any.
+    pub(crate) async fn void(&self, key: &str) -> Result<(), ApiError> {
+        DB::void(&self.pool, key).await.map_err(|error| {
+            eprintln!("payments: provider error: {error}");
+            ApiError::Provider
+        })
+    }
+}
+
+/// The store's settings for one backend.
+pub(crate) trait Settings: Backend {
+    fn settings(builder: Builder<Self>) -> Builder<Self> {
+        builder
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Settings for Postgres {}
+
+#[cfg(feature = "mysql")]
+impl Settings for MySql {}
+
+/// SQLite has one write lock: taken at a handler's first write rather than before
+/// it runs, the provider's answer is awaited without it (see `create_payment`).
+#[cfg(feature = "sqlite")]
+impl Settings for Sqlite {
+    fn settings(builder: Builder<Self>) -> Builder<Self> {
+        builder.write_lock_at_first_write()
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -57,7 +87,7 @@ impl<DB: Ledger> Provider<DB> {
 // too), and again for MySQL, which has `?`, no `RETURNING` and no `ON CONFLICT`
 
 /// The example's queries, implemented for PostgreSQL and SQLite.
-pub(crate) trait Ledger: Backend {
+pub(crate) trait Ledger: Settings {
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     fn migrate_provider(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Debits `amount` if the balance covers it; the new balance, or `None`.
@@ -76,6 +106,11 @@ pub(crate) trait Ledger: Backend {
         pool: &Pool<Self>,
         user: &str,
     ) -> impl Future<Output = Result<(Vec<Payment>, i64), sqlx::Error>> + Send;
+    /// The balance as last committed (the opening balance for a new account).
+    fn balance(
+        pool: &Pool<Self>,
+        user: &str,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
     fn charge(
         pool: &Pool<Self>,
         user: &str,
@@ -84,6 +119,7 @@ pub(crate) trait Ledger: Backend {
         key: &str,
     ) -> impl Future<Output = Result<String, sqlx::Error>> + Send;
     fn charges(pool: &Pool<Self>) -> impl Future<Output = Result<Vec<Charge>, sqlx::Error>> + Send;
+    fn void(pool: &Pool<Self>, key: &str) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -166,11 +202,23 @@ macro_rules! ledger {
                         })
                     })
                     .collect::<Result<_, sqlx::Error>>()?;
+                Ok((payments, Self::balance(pool, user).await?))
+            }
+
+            async fn balance(pool: &Pool<Self>, user: &str) -> Result<i64, sqlx::Error> {
                 let balance: Option<i64> = sqlx::query_scalar("SELECT balance FROM accounts WHERE user_id = $1")
                     .bind(user)
                     .fetch_optional(pool)
                     .await?;
-                Ok((payments, balance.unwrap_or(OPENING_BALANCE)))
+                Ok(balance.unwrap_or(OPENING_BALANCE))
+            }
+
+            async fn void(pool: &Pool<Self>, key: &str) -> Result<(), sqlx::Error> {
+                sqlx::query("DELETE FROM provider_charges WHERE idempotency_key = $1")
+                    .bind(key)
+                    .execute(pool)
+                    .await?;
+                Ok(())
             }
 
             async fn charge(
@@ -333,12 +381,24 @@ impl Ledger for MySql {
                 })
             })
             .collect::<Result<_, sqlx::Error>>()?;
+        Ok((payments, Self::balance(pool, user).await?))
+    }
+
+    async fn balance(pool: &Pool<Self>, user: &str) -> Result<i64, sqlx::Error> {
         let balance: Option<i64> =
             sqlx::query_scalar("SELECT balance FROM accounts WHERE user_id = ?")
                 .bind(user)
                 .fetch_optional(pool)
                 .await?;
-        Ok((payments, balance.unwrap_or(OPENING_BALANCE)))
+        Ok(balance.unwrap_or(OPENING_BALANCE))
+    }
+
+    async fn void(pool: &Pool<Self>, key: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("DELETE FROM provider_charges WHERE idempotency_key = ?")
+            .bind(key)
+            .execute(pool)
+            .await?;
+        Ok(())
     }
 
     async fn charge(

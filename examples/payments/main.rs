@@ -48,9 +48,11 @@
 //! is "the card was charged but we never heard back": the retry runs the handler
 //! again, the provider returns the same charge, and the payment commits once.
 //!
-//! On SQLite the provider keeps its ledger in its own file (`payments.db-provider`):
-//! the payment's transaction holds the application database's only write lock
-//! while it waits for the provider, so SQLite runs one payment at a time.
+//! The handler calls the provider before its first write, and voids the charge when
+//! the debit then finds the balance short: on SQLite the store takes the database's
+//! one write lock at the transaction's first write (`write_lock_at_first_write`),
+//! so payments wait for the provider side by side instead of one at a time. The
+//! provider keeps its ledger in a file of its own there (`payments.db-provider`).
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -113,7 +115,7 @@ impl<DB: Ledger> App<DB> {
         provider: Pool<DB>,
         latency: Duration,
     ) -> Result<(Router, Shutdown), sqlx::Error> {
-        let idempotency = Idempotency::builder(pool)
+        let idempotency = DB::settings(Idempotency::builder(pool))
             .problem_base("https://payments.example/problems/")
             .build()
             .map_err(|e| sqlx::Error::Configuration(e.into()))?;
@@ -184,13 +186,22 @@ async fn create_payment<DB: Ledger>(
     ApiJson(new): ApiJson<NewPayment>,
 ) -> Result<Response, ApiError> {
     new.validate()?;
-    let Some(_balance) = DB::debit(&mut tx, &user_id.0, new.amount).await? else {
-        return Err(ApiError::InsufficientFunds);
-    };
+    // The provider first, the writes after: SQLite's one write lock is taken at the
+    // transaction's first write (`write_lock_at_first_write`), so other payments go
+    // on while this one waits for the provider. The charge is an authorisation the
+    // debit below confirms, or voids when the balance does not cover it.
+    let charge_key = key.derive("charge");
     let charge = app
         .provider
-        .charge(&user_id.0, new.amount, &new.currency, &key.derive("charge"))
+        .charge(&user_id.0, new.amount, &new.currency, &charge_key)
         .await?;
+    // A write first: a transaction that read before its first write would fail on
+    // SQLite when another payment committed in between.
+    let Some(_balance) = DB::debit(&mut tx, &user_id.0, new.amount).await? else {
+        // Spent meanwhile by another payment.
+        app.provider.void(&charge_key).await?;
+        return Err(ApiError::InsufficientFunds);
+    };
     let id = DB::insert_payment(&mut tx, &user_id.0, &new, &charge).await?;
     let payment = Payment {
         id,

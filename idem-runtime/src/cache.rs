@@ -24,6 +24,11 @@ use crate::backend::Found;
 /// the `Arc`, the cache's own slot.
 const ENTRY_OVERHEAD: u64 = 256;
 
+/// How long a request waits for another one of this process to look its key up
+/// (a statement, usually milliseconds) before it looks on its own: a holder stuck
+/// waiting for a pooled connection must not queue its duplicates one by one.
+const FILLER_PATIENCE: Duration = Duration::from_secs(1);
+
 /// A completed record, and the instant after which it is no longer trusted.
 #[derive(Debug)]
 pub(crate) struct Entry {
@@ -74,7 +79,8 @@ pub(crate) enum Looked<'a> {
     Hit(Arc<Entry>),
     /// Not kept: this request reads the table, and fills the entry if it finds the
     /// key completed. Dropping the filler lets the next request of the key look.
-    Miss(Filler<'a>),
+    /// No filler when another request held it past `FILLER_PATIENCE`.
+    Miss(Option<Filler<'a>>),
 }
 
 impl ReplayCache {
@@ -99,16 +105,20 @@ impl ReplayCache {
     /// The entry for `digest` if one is kept and still trusted; otherwise the
     /// filler, once no other request of this process is looking the key up.
     pub(crate) async fn look(&self, digest: &[u8; 32]) -> Looked<'_> {
+        let deadline = tokio::time::Instant::now() + FILLER_PATIENCE;
         loop {
-            match self.entries.get_value_or_guard_async(digest).await {
-                Ok(entry) if Instant::now() < entry.until && entry.epoch == self.epoch() => {
+            let looked =
+                tokio::time::timeout_at(deadline, self.entries.get_value_or_guard_async(digest));
+            match looked.await {
+                Ok(Ok(entry)) if Instant::now() < entry.until && entry.epoch == self.epoch() => {
                     return Looked::Hit(entry);
                 }
-                Ok(stale) => {
+                Ok(Ok(stale)) => {
                     self.entries
                         .remove_if(digest, |kept| Arc::ptr_eq(kept, &stale));
                 }
-                Err(filler) => return Looked::Miss(filler),
+                Ok(Err(filler)) => return Looked::Miss(Some(filler)),
+                Err(_) => return Looked::Miss(None),
             }
         }
     }
@@ -259,7 +269,7 @@ mod tests {
     #[tokio::test]
     async fn waiting_lookups_get_what_the_filler_keeps() {
         let cache = Arc::new(ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache"));
-        let Looked::Miss(filler) = cache.look(&[3; 32]).await else {
+        let Looked::Miss(Some(filler)) = cache.look(&[3; 32]).await else {
             panic!("an empty cache has nothing");
         };
         let waiter = tokio::spawn({
@@ -294,6 +304,17 @@ mod tests {
         let after = (Instant::now(), cache.epoch());
         cache.keep([2; 32], &completed(b"{}", 10_000), after, None);
         assert!(hit(&cache, &[2; 32]).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_stuck_filler_is_not_waited_for_long() {
+        let cache = ReplayCache::new(1 << 20, Duration::from_secs(30)).expect("a cache");
+        let Looked::Miss(Some(_held)) = cache.look(&[4; 32]).await else {
+            panic!("an empty cache has nothing");
+        };
+        let Looked::Miss(None) = cache.look(&[4; 32]).await else {
+            panic!("no entry, and the filler is held");
+        };
     }
 
     #[test]

@@ -481,7 +481,7 @@ impl<DB: Backend> Idempotency<DB> {
                         return Step::Done(outcome, response);
                     }
                 }
-                Looked::Miss(miss) => filler = Some(miss),
+                Looked::Miss(miss) => filler = miss,
             }
         }
         let mut conn = match self.inner.pool.acquire().await {

@@ -198,7 +198,7 @@ async fn create_payment<DB: Ledger>(
     // A write first: a transaction that read before its first write would fail on
     // SQLite when another payment committed in between.
     let Some(_balance) = DB::debit(&mut tx, &user_id.0, new.amount).await? else {
-        // Spent meanwhile by another payment.
+        // The balance does not cover it: the authorisation is voided.
         app.provider.void(&charge_key).await?;
         return Err(ApiError::InsufficientFunds);
     };

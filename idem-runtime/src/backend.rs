@@ -68,8 +68,6 @@ pub struct Found {
     pub completed: bool,
     /// `locked_until` is still ahead, by the database clock.
     pub live: bool,
-    /// `expires_at` is still ahead, by the database clock.
-    pub fresh: bool,
     /// Milliseconds until `expires_at`, by the database clock, rounded up.
     pub ttl_left_ms: i64,
     pub method: String,
@@ -102,7 +100,6 @@ impl Found {
         Ok(Self {
             completed: row.try_get::<String, _>("state")? == "completed",
             live: row.try_get::<i64, _>("live")? != 0,
-            fresh: ttl_left_ms > 0,
             ttl_left_ms,
             method: row.try_get("method")?,
             path: row.try_get("path")?,
@@ -150,18 +147,24 @@ impl Found {
         row.as_ref().map(Self::decode).transpose()
     }
 
+    /// `expires_at` is still ahead, by the database clock.
+    pub(crate) fn fresh(&self) -> bool {
+        self.ttl_left_ms > 0
+    }
+
     /// The record of `response`, which this process has just committed for `id`
-    /// (`headers` as stored), as a lookup would find it.
+    /// (`headers` as stored) with a ttl of `ttl_ms`, as a lookup right after its
+    /// claim would find it.
     pub(crate) fn recorded(
         id: &Identity<'_>,
         response: &http::Response<bytes::Bytes>,
         headers: Vec<u8>,
+        ttl_ms: i64,
     ) -> Self {
         Self {
             completed: true,
             live: false,
-            fresh: true,
-            ttl_left_ms: 0,
+            ttl_left_ms: ttl_ms,
             method: id.method.to_owned(),
             path: id.path.to_owned(),
             content_type: Some(id.content_type.to_owned()),
@@ -551,12 +554,14 @@ where
     rows.iter().map(decode).collect()
 }
 
-/// Runs a backend's `DELETE` of one completed key (parameters: scope, key),
-/// unprepared like the operator's other statements.
+/// Deletes `scope`'s completed record of `key` from `table`, with the backend's
+/// `placeholder` (as in [`Query::parts`]), unprepared like the operator's other
+/// statements.
 #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
 pub(crate) async fn delete_completed<DB>(
     conn: &mut DB::Connection,
-    sql: String,
+    table: &str,
+    placeholder: impl Fn(usize) -> String,
     scope: &str,
     key: &str,
 ) -> Result<DB::QueryResult, sqlx::Error>
@@ -566,12 +571,15 @@ where
     for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
 {
-    sqlx::query(sqlx::AssertSqlSafe(sql))
-        .persistent(false)
-        .bind(scope)
-        .bind(key)
-        .execute(conn)
-        .await
+    // The operator's view of one key, its filter reused (no clock in it).
+    let query = Query::Key { scope, key };
+    let (filter, _, _, params) = query.parts(placeholder, "");
+    let sql = format!("DELETE FROM {table} WHERE {filter} AND state = 'completed'");
+    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false);
+    for param in params {
+        statement = statement.bind(param);
+    }
+    statement.execute(conn).await
 }
 
 /// Decodes the columns every backend's inspection query selects, in one shape:

@@ -144,23 +144,15 @@ impl ReplayCache {
         read: (Instant, u64),
         filler: Option<Filler<'_>>,
     ) {
-        if found.completed && found.fresh {
-            let left = Duration::from_millis(found.ttl_left_ms.unsigned_abs());
-            self.put(digest, found.clone(), read, left, filler);
+        if found.completed && found.fresh() {
+            self.put(digest, found.clone(), read, filler);
         }
     }
 
-    /// Keeps the record this process just committed; `claimed` is an instant no
-    /// later than the claim that set its expiry, and the epoch then; `ttl` the
-    /// expiry it set.
-    pub(crate) fn committed(
-        &self,
-        digest: [u8; 32],
-        found: Found,
-        claimed: (Instant, u64),
-        ttl: Duration,
-    ) {
-        self.put(digest, found, claimed, ttl, None);
+    /// Keeps the record this process just committed (`Found::recorded`); `claimed`
+    /// is an instant no later than the claim that set its expiry, and the epoch then.
+    pub(crate) fn committed(&self, digest: [u8; 32], found: Found, claimed: (Instant, u64)) {
+        self.put(digest, found, claimed, None);
     }
 
     fn put(
@@ -168,12 +160,12 @@ impl ReplayCache {
         digest: [u8; 32],
         found: Found,
         (from, epoch): (Instant, u64),
-        left: Duration,
         filler: Option<Filler<'_>>,
     ) {
         // The database rounds what is left up to a millisecond; a millisecond less
         // keeps the copy strictly inside the key's life.
-        let left = left.saturating_sub(Duration::from_millis(1));
+        let left = Duration::from_millis(found.ttl_left_ms.max(0).unsigned_abs())
+            .saturating_sub(Duration::from_millis(1));
         let until = from + left.min(self.refresh);
         if until <= Instant::now() || epoch != self.epoch() {
             return;
@@ -209,7 +201,6 @@ mod tests {
         Found {
             completed: true,
             live: false,
-            fresh: ttl_left_ms > 0,
             ttl_left_ms,
             method: "POST".into(),
             path: "/payments".into(),
@@ -233,12 +224,7 @@ mod tests {
         let cache = ReplayCache::new(1 << 20, Duration::from_millis(200)).expect("a cache");
         let now = Instant::now();
         // Expires in 50 ms: kept 49 ms, not the 200 ms refresh.
-        cache.committed(
-            [1; 32],
-            completed(b"{}", 50),
-            (now, 0),
-            Duration::from_millis(50),
-        );
+        cache.committed([1; 32], completed(b"{}", 50), (now, 0));
         assert!(hit(&cache, &[1; 32]).await.is_some());
         // A record read with 10 s left: kept for the refresh only.
         cache.keep([2; 32], &completed(b"{}", 10_000), (now, 0), None);
@@ -328,7 +314,7 @@ mod tests {
                 body: Some(bytes::Bytes::copy_from_slice(body)),
                 ..completed(b"", 10_000)
             };
-            cache.committed(digest, found, (Instant::now(), 0), Duration::from_secs(60));
+            cache.committed(digest, found, (Instant::now(), 0));
         }
         assert!(cache.weight() <= 64 * 1024, "{} bytes", cache.weight());
         assert!(cache.weight() > 16 * 1024, "{} bytes", cache.weight());

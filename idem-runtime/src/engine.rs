@@ -583,8 +583,9 @@ impl<DB: Backend> Idempotency<DB> {
                             let conn = open.into_conn();
                             metrics::recorded(recording.elapsed(), endpoint);
                             if let Some(cache) = cache {
-                                let found = Found::recorded(id, &response, headers);
-                                cache.committed(id.digest, found, read, options.ttl_duration());
+                                let ttl_ms = options.ttl_millis();
+                                let found = Found::recorded(id, &response, headers, ttl_ms);
+                                cache.committed(id.digest, found, read);
                             }
                             clean = true;
                             committed = true;
@@ -743,7 +744,7 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: false,
             };
         };
-        if !found.fresh {
+        if !found.fresh() {
             // An expired key is treated as never seen.
             return Decision::Claim {
                 replace: true,

@@ -378,10 +378,8 @@ impl Driver for MySql {
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "DELETE FROM {table} WHERE scope = ? AND idempotency_key = ? AND state = 'completed'"
-        );
-        let done = delete_completed::<MySql>(conn, sql, scope, key).await?;
+        let placeholder = |_| "?".to_owned();
+        let done = delete_completed::<MySql>(conn, table, placeholder, scope, key).await?;
         Ok(done.rows_affected() > 0)
     }
 

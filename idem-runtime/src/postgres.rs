@@ -478,13 +478,10 @@ impl Driver for Postgres {
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "DELETE FROM {table} \
-             WHERE scope = $1 AND idempotency_key = $2 AND state = 'completed'"
-        );
         // In a transaction, so that it is safe through a transaction pooler.
         let mut tx = conn.begin().await?;
-        let done = delete_completed::<Postgres>(&mut tx, sql, scope, key).await?;
+        let placeholder = |n| format!("${n}");
+        let done = delete_completed::<Postgres>(&mut tx, table, placeholder, scope, key).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)
     }

@@ -247,10 +247,8 @@ impl Driver for Sqlite {
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "DELETE FROM {table} WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'completed'"
-        );
-        let done = delete_completed::<Sqlite>(conn, sql, scope, key).await?;
+        let placeholder = |n| format!("?{n}");
+        let done = delete_completed::<Sqlite>(conn, table, placeholder, scope, key).await?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -317,7 +315,7 @@ async fn claim_row(
             Ok(None) => break Ok(None),
             Err(error) if is_busy(&error) => {
                 match Sqlite::idem_lookup(conn, sql, id).await {
-                    Ok(Some(found)) if found.fresh && (found.completed || found.live) => {
+                    Ok(Some(found)) if found.fresh() && (found.completed || found.live) => {
                         break Ok(None);
                     }
                     Ok(_) if Instant::now() < deadline => {}

@@ -17,16 +17,18 @@
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
 //! with `IDEM_BENCH_ROLE=server` and `BACKEND`), driven by the same load: keep-alive HTTP/1.1
-//! connections on loopback, one request in flight each, a one-second warm-up, then
-//! a fixed duration. Rounds run every variant in turn; ratios to `bare` are taken
+//! connections on loopback, one request in flight each, once the database server
+//! is idle again after the previous run (up to 5 s), a one-second warm-up, then a
+//! fixed duration. Rounds run every variant in turn; ratios to `bare` are taken
 //! within a round, and the round with the median ratio is reported.
 //!
 //! - `bare`: the handler with a sqlx transaction, no idempotency;
 //! - `hand-written`: the floor of idem's design on that backend for a new key, by
 //!   hand behind axum. PostgreSQL: in one transaction, a statement that reads the
 //!   key and claims it under an advisory try-lock, the write, the record. MySQL: in
-//!   one transaction a claim guarded by `GET_LOCK(…, 0)`, the write, the record,
-//!   the lock freed with the COMMIT (a taken key is read then). SQLite: a look-up,
+//!   the round trip of `BEGIN` the session's timeouts set and the key's
+//!   `GET_LOCK(…, 0)`, the row read after it, the write, the record inserted, the
+//!   lock freed and the timeouts restored with the COMMIT. SQLite: a look-up,
 //!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
@@ -40,7 +42,8 @@
 //!   `cargo build --release --manifest-path benches/peer/Cargo.toml --target-dir target`.
 //!
 //! Reported per variant: requests/s, p50/p99 latency, ratio to `bare`, the server
-//! process's CPU time per request and peak RSS, statements per request (sqlx's
+//! process's CPU time per request and peak RSS, the database server's CPU time per
+//! request (its processes on this machine, by `/proc`; not on SQLite), statements per request (sqlx's
 //! events) and round trips per request (data segments the server sent to
 //! PostgreSQL, MySQL and Redis, by `ss`, none on SQLite, which runs in the server;
 //! sqlx sends BEGIN alone and its pool checks a connection with a round trip when
@@ -48,7 +51,8 @@
 //! and for the storms how many keys executed more than once. Then `pgbench`'s rate
 //! for the bare transaction, as the database's own reference. A Markdown table goes
 //! to stdout, every row as JSON to `target/idem-bench-http.json` (`backend`,
-//! `variant`, `req_s`, `x_bare`, `p50_ms`, `p99_ms`, `keys_run_twice`), and a chart
+//! `variant`, `req_s`, `x_bare`, `p50_ms`, `p99_ms`, `keys_run_twice`,
+//! `server_cpu_us`, `database_cpu_us`), and a chart
 //! of × bare to `target/idem-bench-http.svg`, a variant that ran keys twice drawn
 //! red with its count. Run with no `--bench` argument (as `cargo test --bench http`
 //! does) it takes a short setting, to check that it runs.
@@ -219,9 +223,11 @@ async fn hand_written(
     .await
 }
 
-/// MySQL's floor for a new key: in one transaction, claim it with an INSERT
-/// guarded by a named try-lock (`GET_LOCK(…, 0)`), the write, the record; the
-/// lock freed in the COMMIT's round trip. A key found taken is read then.
+/// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
+/// timeouts set (their values saved) and the key's named try-lock
+/// (`GET_LOCK(…, 0)`); the row read after it; the write; the record inserted; the
+/// COMMIT with the timeouts' restore and the lock's release. A key found stored
+/// or locked is answered then.
 async fn hand_written_mysql(
     State(app): State<App<MySql>>,
     headers: HeaderMap,
@@ -229,51 +235,46 @@ async fn hand_written_mysql(
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
         let mut conn = app.pool.acquire().await?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-                 fingerprint, locked_until, expires_at, created_at) \
-             SELECT '', ?, 'processing', 1, 'POST', '/payments', REPEAT(x'00', 32), \
-                 UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-                 UTC_TIMESTAMP(6) \
-             FROM DUAL WHERE GET_LOCK(MD5(?), 0) = 1",
+        let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
+        let begin = format!(
+            "SET @wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
+                 SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30, \
+                 @lock = {lock}, @locked = GET_LOCK({lock}, 0); \
+             BEGIN"
+        );
+        let finish = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
+                      @released = RELEASE_LOCK(@lock)";
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
+        let (locked, state, stored): (i64, Option<String>, Option<Vec<u8>>) = sqlx::query_as(
+            "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
+             LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
         )
         .bind(&key)
-        .bind(&key)
-        .execute(&mut *tx)
-        .await;
-        let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
-        match claimed {
-            Ok(done) if done.rows_affected() == 1 => {}
-            Ok(_) => return Ok((StatusCode::CONFLICT, Vec::new())),
-            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
-                let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
-                    "SELECT state, body FROM idempotency_keys \
-                     WHERE scope = '' AND idempotency_key = ?",
-                )
-                .bind(&key)
-                .fetch_optional(&mut *tx)
+        .fetch_one(&mut *tx)
+        .await?;
+        if locked != 1 || state.is_some() {
+            sqlx::raw_sql(AssertSqlSafe(finish))
+                .execute(&mut *tx)
                 .await?;
-                let release = format!("DO RELEASE_LOCK({lock})");
-                sqlx::raw_sql(sqlx::AssertSqlSafe(release))
-                    .execute(&mut *tx)
-                    .await?;
-                return Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())));
-            }
-            Err(error) => return Err(error),
+            let found = state.map(|state| (state, stored));
+            return Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())));
         }
         let payment = MySql::insert(&mut tx, &key, &new).await?;
         let out = serde_json::to_vec(&payment).unwrap_or_default();
         sqlx::query(
-            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = ? \
-             WHERE scope = '' AND idempotency_key = ? AND lease = 1",
+            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+             SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
+                 UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+                 UTC_TIMESTAMP(6) \
+             FROM DUAL WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()",
         )
-        .bind(&out)
         .bind(&key)
+        .bind(&out)
         .execute(&mut *tx)
         .await?;
-        let commit = format!("COMMIT; DO RELEASE_LOCK({lock})");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(commit))
+        let commit = format!("COMMIT; {finish}");
+        sqlx::raw_sql(AssertSqlSafe(commit))
             .execute(&mut *tx)
             .await?;
         // The server committed; sqlx's guard sends a ROLLBACK that does nothing.
@@ -622,16 +623,7 @@ impl Server {
     fn cpu_seconds(&self) -> f64 {
         let stat =
             std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        // Fields after the command name: utime and stime are the 12th and 13th.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        let ticks = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        (ticks(11) + ticks(12)) / 100.0
+        stat_cpu_seconds(stat.rsplit_once(')').map_or("", |(_, rest)| rest))
     }
 
     /// Data segments the process has sent to PostgreSQL, MySQL and Redis, by the
@@ -676,6 +668,19 @@ impl Server {
             .and_then(|kb| kb.parse::<f64>().ok())
             .map_or(0.0, |kb| kb / 1024.0)
     }
+}
+
+/// User + system CPU seconds from the fields of `/proc/<pid>/stat` after the
+/// command name (utime and stime are the 12th and 13th there).
+fn stat_cpu_seconds(after_comm: &str) -> f64 {
+    let fields: Vec<&str> = after_comm.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// One keep-alive HTTP/1.1 connection.
@@ -778,6 +783,8 @@ struct Row {
     p50: Duration,
     p99: Duration,
     cpu_us: f64,
+    /// The database server's CPU per request (not on SQLite).
+    db_cpu_us: Option<f64>,
     rss_mib: f64,
     statements: f64,
     round_trips: f64,
@@ -809,6 +816,9 @@ async fn run_variant(
         prefill
     };
     let url = target.prepare(&schema, stored).await;
+    // What the last run left the server to do (its dropped database, purge) is not
+    // this one's to pay for.
+    target.settle().await;
     let server = Server::start(serves, target, &url, &schema, settings.connections).await;
     let path = "/payments";
     // One session for all of the peer's clients, as for one user's retries.
@@ -888,8 +898,12 @@ async fn run_variant(
         .collect();
     tokio::time::sleep_until(warm_until.into()).await;
     let cpu_start = server.cpu_seconds();
+    let db_cpu_start = target.database_cpu_seconds();
     tokio::time::sleep_until(until.into()).await;
     let cpu_used = server.cpu_seconds() - cpu_start;
+    let db_cpu_used = db_cpu_start
+        .zip(target.database_cpu_seconds())
+        .map(|(start, end)| end - start);
     let mut all = Vec::new();
     let mut statuses: HashMap<u16, u64> = HashMap::new();
     for worker in workers {
@@ -935,6 +949,7 @@ async fn run_variant(
         p50: pick(0.5),
         p99: pick(0.99),
         cpu_us: cpu_used * 1e6 / requests.max(1) as f64,
+        db_cpu_us: db_cpu_used.map(|used| used * 1e6 / requests.max(1) as f64),
         rss_mib: server.peak_rss_mib(),
         statements,
         round_trips,
@@ -969,6 +984,44 @@ impl Target {
             Self::Postgres { .. } => "PostgreSQL",
             Self::MySql { .. } => "MySQL/MariaDB",
             Self::Sqlite { .. } => "SQLite",
+        }
+    }
+
+    /// CPU seconds (user + system) the database server's processes on this machine
+    /// have used; `None` on SQLite, which runs inside the server process.
+    fn database_cpu_seconds(&self) -> Option<f64> {
+        let names: &[&str] = match self {
+            Self::Postgres { .. } => &["postgres"],
+            Self::MySql { .. } => &["mariadbd", "mysqld"],
+            Self::Sqlite { .. } => return None,
+        };
+        let mut total = 0.0;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let comm = head.split_once('(').map_or("", |(_, comm)| comm);
+            if names.contains(&comm) {
+                total += stat_cpu_seconds(rest);
+            }
+        }
+        Some(total)
+    }
+
+    /// Waits, up to 5 s, until the database server is idle: under 5% of a core
+    /// for a quarter of a second.
+    async fn settle(&self) {
+        let quarter = Duration::from_millis(250);
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while let Some(before) = self.database_cpu_seconds() {
+            tokio::time::sleep(quarter).await;
+            let used = self.database_cpu_seconds().unwrap_or(before) - before;
+            if used < 0.05 * quarter.as_secs_f64() || Instant::now() >= give_up {
+                break;
+            }
         }
     }
 
@@ -1255,6 +1308,8 @@ fn json(backend: &str, rows: &[Row]) -> String {
                 "p50_ms": (row.p50.as_secs_f64() * 1e5).round() / 100.0,
                 "p99_ms": (row.p99.as_secs_f64() * 1e5).round() / 100.0,
                 "keys_run_twice": row.doubled,
+                "server_cpu_us": row.cpu_us.round(),
+                "database_cpu_us": row.db_cpu_us.map(f64::round),
             })
         })
         .collect();
@@ -1483,10 +1538,10 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         settings.rounds
     );
     println!(
-        "| variant | requests | req/s | × bare | × bare, low–high | p50 ms | p99 ms | server CPU µs/req | peak RSS MiB | statements/req | round trips/req | answers | keys run twice |"
+        "| variant | requests | req/s | × bare | × bare, low–high | p50 ms | p99 ms | server CPU µs/req | database CPU µs/req | peak RSS MiB | statements/req | round trips/req | answers | keys run twice |"
     );
     println!(
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
     );
     for (row, low, high) in &rows {
         let mut statuses: Vec<_> = row.statuses.iter().collect();
@@ -1502,7 +1557,7 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
             format!("{:.1}", row.round_trips)
         };
         println!(
-            "| {} | {} | {:.0} | {:.2} | {:.2}–{:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.1} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {:.2} | {:.2}–{:.2} | {:.2} | {:.2} | {:.0} | {} | {:.1} | {:.1} | {} | {} | {} |",
             row.variant,
             row.requests,
             row.rate,
@@ -1512,6 +1567,8 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
             row.p50.as_secs_f64() * 1e3,
             row.p99.as_secs_f64() * 1e3,
             row.cpu_us,
+            row.db_cpu_us
+                .map_or("-".to_owned(), |us| format!("{us:.0}")),
             row.rss_mib,
             row.statements,
             round_trips,

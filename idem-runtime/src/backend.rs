@@ -198,9 +198,9 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// Binds `$1`..`$9`, the parameters every backend's claim statement starts with:
+    /// Binds `$1`..`$9`, the parameters PostgreSQL's and SQLite's claims start with:
     /// scope, key, lease, method, path, fingerprint, lock (ms), ttl (ms), content type.
-    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) fn bind<'q, DB>(
         &self,
         id: &Identity<'_>,
@@ -315,9 +315,9 @@ pub mod sealed {
         #[doc(hidden)]
         type IdemSql: Send + Sync + 'static;
 
-        /// The statements for `table` in the store's `layout`.
+        /// The statements for `table` in the store's `layout`, on `pool`.
         #[doc(hidden)]
-        fn idem_sql(table: &str, layout: Layout) -> Self::IdemSql;
+        fn idem_sql(table: &str, layout: Layout, pool: &sqlx::Pool<Self>) -> Self::IdemSql;
 
         /// The backend's migrations in order, for the default table name, in
         /// `layout`.

@@ -123,7 +123,7 @@ impl Driver for Postgres {
         }
     }
 
-    fn idem_sql(table: &str, layout: Layout) -> Sql {
+    fn idem_sql(table: &str, layout: Layout, _pool: &PgPool) -> Sql {
         let partitioned = layout.partitioned;
         // Plain layout: the primary key keeps (scope, key) unique, and the lock rides
         // in the claim itself. Partitioned: the key includes `expires_at`, so the

@@ -44,7 +44,7 @@ impl Driver for Sqlite {
         ]
     }
 
-    fn idem_sql(table: &str, layout: Layout) -> Sql {
+    fn idem_sql(table: &str, layout: Layout, _pool: &sqlx::SqlitePool) -> Sql {
         Sql {
             begin: if layout.deferred {
                 "BEGIN DEFERRED"

@@ -322,7 +322,7 @@ impl<DB: Backend> Builder<DB> {
             transaction_pooled: self.transaction_pooled,
             deferred: self.deferred,
         };
-        let sql = DB::idem_sql(&self.table, layout);
+        let sql = DB::idem_sql(&self.table, layout, &self.pool);
         Idempotency {
             inner: Arc::new(Inner {
                 pool: self.pool,

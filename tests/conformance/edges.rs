@@ -179,6 +179,33 @@ pub async fn migrate_upgrades_a_table_of_the_previous_release<H: Harness>() {
     h.finish().await;
 }
 
+/// MySQL/MariaDB: a key's claim takes the named lock every release of idem takes
+/// for it (computed by the server from the session's database), so instances of
+/// two releases exclude each other during a rolling deploy; also when the session
+/// has moved to another database than its pool's.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_claims_take_the_lock_every_release_takes() {
+    let Some(h) = start::<My>().await else { return };
+    let moved = h.store_moved_by_session().await;
+    for (n, store) in [h.store().clone(), moved].into_iter().enumerate() {
+        let app = router_on::<My>(store);
+        let key = format!("k-lock-{n}");
+        let held = h.hold_named_lock("alice", &key).await;
+        let busy = send(&app, &Req::post("alice", &key, BODY)).await;
+        assert_in_flight(&busy);
+        assert_eq!(h.effects("alice").await, i64::try_from(n).expect("small"));
+        drop(held);
+        let free = send(&app, &Req::post("alice", &key, BODY)).await;
+        assert_eq!(free.status, 201, "{}", free.text());
+        assert_eq!(
+            h.effects("alice").await,
+            i64::try_from(n + 1).expect("small")
+        );
+    }
+    h.finish().await;
+}
+
 /// MySQL/MariaDB: the session settings idem changes for a claim (`wait_timeout`,
 /// `innodb_lock_wait_timeout`) come back to the application's own values, not the
 /// server's defaults, after every kind of request.

@@ -37,6 +37,59 @@ impl My {
         let store = Idempotency::new(pool.clone());
         (pool, store)
     }
+
+    /// A store whose pool is configured for the URL's own database, but whose
+    /// sessions `USE` the test's: the session's database is not the pool's.
+    pub async fn store_moved_by_session(&self) -> Idempotency<MySql> {
+        let url = std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_URL");
+        let moved = format!("USE {}", self.database);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |conn, _| {
+                let moved = moved.clone();
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(moved))
+                        .execute(conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await
+            .expect("connect, then move to the test database");
+        Idempotency::new(pool)
+    }
+
+    /// Takes, on a session of its own in the test's database, the named lock that
+    /// every release of idem takes for (`scope`, `key`) in the default table; the
+    /// lock is held until the connection is dropped.
+    pub async fn hold_named_lock(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> sqlx::pool::PoolConnection<MySql> {
+        use sha2::{Digest as _, Sha256};
+        let mut seed = Sha256::new();
+        for part in ["idempotency_keys", scope, key] {
+            seed.update((part.len() as u64).to_be_bytes());
+            seed.update(part.as_bytes());
+        }
+        let seed: String = seed.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let mut conn = self.pool.acquire().await.expect("a session");
+        let taken: Option<i64> = sqlx::query_scalar(
+            "SELECT GET_LOCK(CONCAT('idem:', \
+                 LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)), 0)",
+        )
+        .bind(seed)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("GET_LOCK");
+        assert_eq!(taken, Some(1), "nobody else holds the key's lock");
+        conn.close_on_drop();
+        conn
+    }
 }
 
 impl Harness for My {

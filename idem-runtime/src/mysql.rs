@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use sha2::{Digest as _, Sha256};
-use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row as _, Transaction};
+use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
@@ -63,8 +63,7 @@ impl Driver for MySql {
                 wait_timeout = CAST(COALESCE(@idem_wait_timeout, @@SESSION.wait_timeout) AS UNSIGNED), \
                 innodb_lock_wait_timeout = CAST(COALESCE(@idem_lock_wait_timeout, \
                     @@SESSION.innodb_lock_wait_timeout) AS UNSIGNED), \
-                @idem_wait_timeout = NULL, @idem_lock_wait_timeout = NULL, \
-                @idem_released = RELEASE_LOCK(@idem_lock), @idem_lock = NULL, @idem_locked = NULL";
+                @idem_released = RELEASE_LOCK(@idem_lock)";
         Sql {
             lookup: format!(
                 "SELECT state, method, path, content_type, fingerprint, \
@@ -76,14 +75,13 @@ impl Driver for MySql {
             )
             .into(),
             // The transaction's first read, after the lock: its snapshot has every
-            // row committed before the lock's last holder let it go.
+            // row committed before the lock's last holder let it go. Only whether
+            // there is a row: a new key, the common case, needs no more (every
+            // column costs its description in every answer); `lookup` reads the
+            // rest when there is one, in the same snapshot.
             open: format!(
-                "SELECT CAST(@idem_locked AS SIGNED) AS locked, r.state, r.method, r.path, \
-                        r.content_type, r.fingerprint, CAST(r.status AS SIGNED) AS status, \
-                        r.headers, r.body, \
-                        CAST(r.locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
-                        CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), r.expires_at) / 1000) \
-                             AS SIGNED) AS ttl_left_ms \
+                "SELECT CAST(@idem_locked AS SIGNED) AS locked, \
+                        CAST(r.scope IS NOT NULL AS SIGNED) AS stored \
                  FROM (SELECT 1 AS one) AS o \
                  LEFT JOIN {table} AS r ON r.scope = ? AND r.idempotency_key = ?"
             )
@@ -367,7 +365,8 @@ async fn apply(
 /// the session first: the session's timeouts set to its lock (their own values
 /// saved, for `finish` to restore), the key's named lock tried, and the claim's
 /// times by the database clock. Then reads the key's row, as the transaction's
-/// first read: whether the lock was taken, and what is stored.
+/// first read: whether the lock was taken, and what is stored (read in full only
+/// when there is a row).
 async fn lock_and_read<'c>(
     conn: &'c mut MySqlConnection,
     sql: &Sql,
@@ -389,17 +388,17 @@ async fn lock_and_read<'c>(
          BEGIN"
     );
     let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
-    let row = sqlx::query(AssertSqlSafe(sql.open.clone()))
+    let (locked, stored): (Option<i64>, i64) = sqlx::query_as(AssertSqlSafe(sql.open.clone()))
         .bind(id.scope)
         .bind(id.key)
         .fetch_one(&mut *tx)
         .await?;
-    let locked = row.try_get::<Option<i64>, _>("locked")? == Some(1);
-    let found = match row.try_get::<Option<String>, _>("state")? {
-        Some(_) => Some(Found::decode(&row)?),
-        None => None,
+    let found = if stored == 1 {
+        Found::load::<MySql>(&mut tx, &sql.lookup, id, true).await?
+    } else {
+        None
     };
-    Ok((tx, locked, found))
+    Ok((tx, locked == Some(1), found))
 }
 
 /// The key's named lock as an SQL expression. `LOCK_NAME` costs the server more

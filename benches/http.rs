@@ -7,6 +7,7 @@
 //! cargo bench --all-features --bench http -- --secs 2 --connections 16 --rounds 1
 //! cargo bench --all-features --bench http -- --only idem-first,idem-replay   # and `bare`
 //! cargo bench --all-features --bench http -- --growth              # also with 10^4, 10^6, 10^7 keys stored
+//! cargo bench --all-features --bench http -- --paired hand-written,idem-first   # both at once
 //! ```
 //!
 //! Each backend is measured on its own, every run in a schema (PostgreSQL), a
@@ -772,6 +773,72 @@ fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String>
     }
 }
 
+/// One variant's load: connections that each send one request at a time to a
+/// server, keyed as `variant` wants, from `warm_until` on counted, until `until`.
+struct Load {
+    addr: String,
+    run: String,
+    variant: &'static str,
+    replay_keys: u64,
+    /// The session the peer variant's clients share.
+    cookie: Option<http::HeaderValue>,
+}
+
+/// What one connection of a load saw: latencies and statuses after the warm-up.
+type Seen = (Vec<Duration>, HashMap<u16, u64>);
+
+impl Load {
+    fn start(
+        &self,
+        connections: usize,
+        counter: &Arc<AtomicU64>,
+        warm_until: Instant,
+        until: Instant,
+    ) -> Vec<tokio::task::JoinHandle<Seen>> {
+        (0..connections)
+            .map(|_| {
+                let (counter, addr, run) =
+                    (Arc::clone(counter), self.addr.clone(), self.run.clone());
+                let (variant, replay_keys, cookie) =
+                    (self.variant, self.replay_keys, self.cookie.clone());
+                tokio::spawn(async move {
+                    let mut conn = Conn::open(&addr).await;
+                    conn.cookie = cookie;
+                    let mut latencies = Vec::new();
+                    let mut statuses: HashMap<u16, u64> = HashMap::new();
+                    loop {
+                        let started = Instant::now();
+                        if started >= until {
+                            break;
+                        }
+                        let n = counter.fetch_add(1, Ordering::Relaxed);
+                        let key = key_for(&run, variant, n, replay_keys);
+                        let (status, _) = conn.post("/payments", key.as_deref(), BODY).await;
+                        if started >= warm_until {
+                            latencies.push(started.elapsed());
+                            *statuses.entry(status).or_default() += 1;
+                        }
+                    }
+                    (latencies, statuses)
+                })
+            })
+            .collect()
+    }
+
+    async fn finish(workers: Vec<tokio::task::JoinHandle<Seen>>) -> Seen {
+        let mut all = Vec::new();
+        let mut statuses: HashMap<u16, u64> = HashMap::new();
+        for worker in workers {
+            let (latencies, seen) = worker.await.expect("worker");
+            all.extend(latencies);
+            for (status, n) in seen {
+                *statuses.entry(status).or_default() += n;
+            }
+        }
+        (all, statuses)
+    }
+}
+
 struct Row {
     variant: &'static str,
     prefill: u64,
@@ -870,32 +937,14 @@ async fn run_variant(
     let counter = Arc::new(AtomicU64::new(if cold { sample } else { 0 }));
     let warm_until = Instant::now() + Duration::from_secs(1);
     let until = warm_until + Duration::from_secs(settings.secs);
-    let workers: Vec<_> = (0..settings.connections)
-        .map(|_| {
-            let (counter, addr, run) = (Arc::clone(&counter), server.addr.clone(), schema.clone());
-            let cookie = cookie.clone();
-            tokio::spawn(async move {
-                let mut conn = Conn::open(&addr).await;
-                conn.cookie = cookie;
-                let mut latencies = Vec::new();
-                let mut statuses: HashMap<u16, u64> = HashMap::new();
-                loop {
-                    let started = Instant::now();
-                    if started >= until {
-                        break;
-                    }
-                    let n = counter.fetch_add(1, Ordering::Relaxed);
-                    let key = key_for(&run, variant, n, replay_keys);
-                    let (status, _) = conn.post(path, key.as_deref(), BODY).await;
-                    if started >= warm_until {
-                        latencies.push(started.elapsed());
-                        *statuses.entry(status).or_default() += 1;
-                    }
-                }
-                (latencies, statuses)
-            })
-        })
-        .collect();
+    let load = Load {
+        addr: server.addr.clone(),
+        run: schema.clone(),
+        variant,
+        replay_keys,
+        cookie: cookie.clone(),
+    };
+    let workers = load.start(settings.connections, &counter, warm_until, until);
     tokio::time::sleep_until(warm_until.into()).await;
     let cpu_start = server.cpu_seconds();
     let db_cpu_start = target.database_cpu_seconds();
@@ -904,15 +953,7 @@ async fn run_variant(
     let db_cpu_used = db_cpu_start
         .zip(target.database_cpu_seconds())
         .map(|(start, end)| end - start);
-    let mut all = Vec::new();
-    let mut statuses: HashMap<u16, u64> = HashMap::new();
-    for worker in workers {
-        let (latencies, seen) = worker.await.expect("worker");
-        all.extend(latencies);
-        for (status, n) in seen {
-            *statuses.entry(status).or_default() += n;
-        }
-    }
+    let (mut all, statuses) = Load::finish(workers).await;
     all.sort();
     let pick = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1))];
     let requests = all.len() as u64;
@@ -1418,6 +1459,14 @@ fn main() {
                     continue;
                 }
             };
+            if let Some(pair) = args
+                .iter()
+                .position(|a| a == "--paired")
+                .and_then(|i| args.get(i + 1))
+            {
+                paired(&settings, &target, pair).await;
+                continue;
+            }
             let (rows, doubled) = bench_backend(&settings, &target, &args).await;
             doubled_storms += doubled;
             json_rows.push(json(target.name(), &rows));
@@ -1456,6 +1505,94 @@ fn main() {
         // The storm's promise: each key once, in every round, on every backend.
         assert!(doubled_storms == 0, "idem-storm ran keys twice in {doubled_storms} round(s)");
     });
+}
+
+/// `--paired a,b`: the two variants served at once, each by its own server with
+/// half the connections, so that whatever the machine does meanwhile lands on
+/// both; `b`'s rate over `a`'s, per round. New keys only (`bare`, `hand-written`,
+/// `idem-first`).
+async fn paired(settings: &Settings, target: &Target, pair: &str) {
+    let serves = |variant: &str| match variant {
+        "bare" => Some(("bare", "bare")),
+        "hand-written" => Some(("hand-written", "hand-written")),
+        "idem-first" => Some(("idem-first", "idem")),
+        _ => None,
+    };
+    let Some((a, b)) = pair
+        .split_once(',')
+        .and_then(|(a, b)| serves(a).zip(serves(b)))
+    else {
+        eprintln!("--paired takes two of bare, hand-written, idem-first: {pair:?}");
+        return;
+    };
+    let half = (settings.connections / 2).max(1);
+    let mut ratios = Vec::new();
+    println!(
+        "\n{}: {} and {} at once, {half} connections each, {} s after 1 s warm-up\n",
+        target.label(),
+        a.0,
+        b.0,
+        settings.secs
+    );
+    println!(
+        "| round | {} req/s | {} req/s | {} / {} |",
+        a.0, b.0, b.0, a.0
+    );
+    println!("| ---: | ---: | ---: | ---: |");
+    for round in 0..settings.rounds {
+        let mut servers = Vec::new();
+        for (n, (variant, serves)) in [a, b].into_iter().enumerate() {
+            let schema = format!(
+                "idem_bench_http_{}_{}_paired_{n}_{round}",
+                std::process::id(),
+                target.name()
+            );
+            let url = target.prepare(&schema, 0).await;
+            let server = Server::start(serves, target, &url, &schema, half).await;
+            servers.push((variant, schema, server));
+        }
+        target.settle().await;
+        let warm_until = Instant::now() + Duration::from_secs(1);
+        let until = warm_until + Duration::from_secs(settings.secs);
+        let loads: Vec<_> = servers
+            .iter()
+            .map(|(variant, schema, server)| {
+                let load = Load {
+                    addr: server.addr.clone(),
+                    run: schema.clone(),
+                    variant,
+                    replay_keys: 0,
+                    cookie: None,
+                };
+                load.start(half, &Arc::new(AtomicU64::new(0)), warm_until, until)
+            })
+            .collect();
+        let mut rates = Vec::new();
+        for workers in loads {
+            let (latencies, _) = Load::finish(workers).await;
+            rates.push(latencies.len() as f64 / settings.secs as f64);
+        }
+        let ratio = rates[1] / rates[0].max(1.0);
+        println!(
+            "| {round} | {:.0} | {:.0} | {ratio:.2} |",
+            rates[0], rates[1]
+        );
+        ratios.push(ratio);
+        for (_, schema, server) in servers {
+            drop(server);
+            target.drop_run(&schema).await;
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "\n{} / {}: median {:.2} ({:.2}–{:.2}) over {} round(s)",
+        b.0,
+        a.0,
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1],
+        ratios.len()
+    );
 }
 
 /// Every variant on one backend, in rounds; the median round's rows, and the

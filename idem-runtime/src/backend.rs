@@ -152,6 +152,12 @@ impl Found {
         self.ttl_left_ms > 0
     }
 
+    /// The row holds its key no more: it expired, or it is a claim nobody
+    /// completed whose lock has passed. A claim may replace it.
+    pub(crate) fn replaceable(&self) -> bool {
+        !self.fresh() || (!self.completed && !self.live)
+    }
+
     /// The record of `response`, which this process has just committed for `id`
     /// (`headers` as stored) with a ttl of `ttl_ms`, as a lookup right after its
     /// claim would find it.

@@ -744,19 +744,13 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: false,
             };
         };
-        if !found.fresh() {
-            // An expired key is treated as never seen.
+        if found.replaceable() {
+            // An expired key is treated as never seen. A fresh claim nobody
+            // completed whose lock has passed holds nothing: it is taken over by
+            // whatever request comes, never a reason to refuse one.
             return Decision::Claim {
                 replace: true,
-                takeover: false,
-            };
-        }
-        if !found.completed && !found.live {
-            // A claim nobody completed and whose lock has passed holds nothing: it
-            // is taken over by whatever request comes, never a reason to refuse one.
-            return Decision::Claim {
-                replace: true,
-                takeover: true,
+                takeover: found.fresh(),
             };
         }
         if !found.matches(id) {

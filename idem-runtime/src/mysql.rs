@@ -39,6 +39,10 @@ pub struct Sql {
     commit: Arc<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
+    /// Whether the session's database is `database`, as SQL. `X'…'` compares as
+    /// bytes: a database named with another case or collation takes the server's
+    /// way, which names the lock as every release always has.
+    in_database: Box<str>,
     sweep: Arc<str>,
 }
 
@@ -64,6 +68,8 @@ impl Driver for MySql {
                 innodb_lock_wait_timeout = CAST(COALESCE(@idem_lock_wait_timeout, \
                     @@SESSION.innodb_lock_wait_timeout) AS UNSIGNED), \
                 @idem_released = RELEASE_LOCK(@idem_lock)";
+        let options = pool.connect_options();
+        let database = options.get_database().unwrap_or_default();
         Sql {
             lookup: format!(
                 "SELECT state, method, path, content_type, fingerprint, \
@@ -125,11 +131,9 @@ impl Driver for MySql {
             .into(),
             commit: format!("COMMIT; {finish}").into(),
             finish: finish.into(),
-            database: pool
-                .connect_options()
-                .get_database()
-                .unwrap_or_default()
+            in_database: format!("COALESCE(DATABASE(), '') = X'{}'", to_hex(database.as_bytes()))
                 .into(),
+            database: database.into(),
         }
     }
 
@@ -192,9 +196,7 @@ impl Driver for MySql {
         // A row the engine found expired or abandoned, read again under the lock:
         // whoever took the lock meanwhile may have recorded it since.
         let (mut tx, locked, found) = lock_and_read(conn, sql, id, claim).await?;
-        let free = found
-            .as_ref()
-            .is_none_or(|found| !found.fresh() || (!found.completed && !found.live));
+        let free = found.as_ref().is_none_or(Found::replaceable);
         if locked && free {
             return Ok(Some(tx));
         }
@@ -412,10 +414,7 @@ fn lock_name(sql: &Sql, id: &Identity<'_>) -> String {
     let digest = Sha256::digest(format!("{}:{seed}", sql.database));
     let name = &to_hex(&digest)[..40];
     let by_server = LOCK_NAME.replacen('?', &format!("'{seed}'"), 1);
-    // `X'…'` compares as bytes: a database named with another case or collation
-    // takes the server's way, which names the lock as every release always has.
-    let database = to_hex(sql.database.as_bytes());
-    format!("IF(COALESCE(DATABASE(), '') = X'{database}', 'idem:{name}', {by_server})")
+    format!("IF({}, 'idem:{name}', {by_server})", sql.in_database)
 }
 
 /// Frees what `lock_and_read` took on the session (see `Sql::finish`).

@@ -195,7 +195,7 @@ async fn mysql_claims_take_the_lock_every_release_takes() {
         let busy = send(&app, &Req::post("alice", &key, BODY)).await;
         assert_in_flight(&busy);
         assert_eq!(h.effects("alice").await, i64::try_from(n).expect("small"));
-        drop(held);
+        held.release().await;
         let free = send(&app, &Req::post("alice", &key, BODY)).await;
         assert_eq!(free.status, 201, "{}", free.text());
         assert_eq!(

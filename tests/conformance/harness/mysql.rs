@@ -63,13 +63,9 @@ impl My {
     }
 
     /// Takes, on a session of its own in the test's database, the named lock that
-    /// every release of idem takes for (`scope`, `key`) in the default table; the
-    /// lock is held until the connection is dropped.
-    pub async fn hold_named_lock(
-        &self,
-        scope: &str,
-        key: &str,
-    ) -> sqlx::pool::PoolConnection<MySql> {
+    /// every release of idem takes for (`scope`, `key`) in the default table; held
+    /// until [`NamedLock::release`] (or, if the test fails first, the session's end).
+    pub async fn hold_named_lock(&self, scope: &str, key: &str) -> NamedLock {
         use sha2::{Digest as _, Sha256};
         let mut seed = Sha256::new();
         for part in ["idempotency_keys", scope, key] {
@@ -78,17 +74,40 @@ impl My {
         }
         let seed: String = seed.finalize().iter().map(|b| format!("{b:02x}")).collect();
         let mut conn = self.pool.acquire().await.expect("a session");
-        let taken: Option<i64> = sqlx::query_scalar(
-            "SELECT GET_LOCK(CONCAT('idem:', \
-                 LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40)), 0)",
+        let name: String = sqlx::query_scalar(
+            "SELECT CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40))",
         )
         .bind(seed)
         .fetch_one(&mut *conn)
         .await
-        .expect("GET_LOCK");
+        .expect("the lock's name");
+        let taken: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+            .bind(&name)
+            .fetch_one(&mut *conn)
+            .await
+            .expect("GET_LOCK");
         assert_eq!(taken, Some(1), "nobody else holds the key's lock");
         conn.close_on_drop();
-        conn
+        NamedLock { conn, name }
+    }
+}
+
+/// A key's named lock, held by a session of the test's.
+pub struct NamedLock {
+    conn: sqlx::pool::PoolConnection<MySql>,
+    name: String,
+}
+
+impl NamedLock {
+    /// Frees the lock and waits for the server to say so: a closed session's
+    /// locks are freed only once the server has noticed the close.
+    pub async fn release(mut self) {
+        let freed: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+            .bind(&self.name)
+            .fetch_one(&mut *self.conn)
+            .await
+            .expect("RELEASE_LOCK");
+        assert_eq!(freed, Some(1), "the lock was this session's");
     }
 }
 

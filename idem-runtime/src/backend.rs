@@ -389,8 +389,8 @@ pub mod sealed {
             conn: &mut Self::Connection,
         ) -> impl Future<Output = Result<Transaction<'_, Self>, sqlx::Error>> + Send + '_;
 
-        /// Completes the row inside the handler's transaction, if `lease` still holds
-        /// it by the database clock. `false`: the lease was lost; roll back.
+        /// Completes the row inside the handler's transaction, if `claim`'s lease still
+        /// holds it by the database clock. `false`: the lease was lost; roll back.
         /// `announce`: the key's signal, for a backend that tells other instances'
         /// waiters when the transaction commits (see [`idem_watch`](Self::idem_watch)).
         #[doc(hidden)]
@@ -398,7 +398,7 @@ pub mod sealed {
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
-            lease: i64,
+            claim: Claim,
             response: Recorded<'c>,
             announce: Option<u64>,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;

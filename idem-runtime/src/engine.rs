@@ -498,8 +498,8 @@ impl<DB: Backend> Idempotency<DB> {
         };
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
-        let (tx, takeover) = match DB::idem_open(&mut conn, sql, id, claim).await {
-            Ok(Opened::Claimed(tx)) => (tx, false),
+        let (tx, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
+            Ok(Opened::Claimed(tx)) => (tx, false, claim),
             // `other` takes the whole result, so `conn` is free again below.
             other => match other.map(Opened::found) {
                 Ok(Some(found)) => {
@@ -515,7 +515,7 @@ impl<DB: Backend> Idempotency<DB> {
                     };
                     let claim = Claim { replace, ..claim };
                     match DB::idem_claim(&mut conn, sql, id, claim).await {
-                        Ok(Some(tx)) => (tx, takeover),
+                        Ok(Some(tx)) => (tx, takeover, claim),
                         other => {
                             let error = other.err();
                             return self
@@ -577,7 +577,7 @@ impl<DB: Backend> Idempotency<DB> {
                 };
                 let announce = waits.then_some(signal);
                 let recording = Instant::now();
-                match DB::idem_record(&mut open, sql, id, lease, recorded, announce).await {
+                match DB::idem_record(&mut open, sql, id, claim, recorded, announce).await {
                     Ok(true) => match DB::idem_commit(&mut open, sql, id).await {
                         Ok(()) => {
                             let conn = open.into_conn();

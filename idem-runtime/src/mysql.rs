@@ -213,7 +213,7 @@ impl Driver for MySql {
         conn: &'c mut MySqlConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
-        lease: i64,
+        claim: Claim,
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
@@ -221,7 +221,7 @@ impl Driver for MySql {
         let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
             .bind(id.scope)
             .bind(id.key)
-            .bind(lease)
+            .bind(claim.lease)
             .bind(id.method)
             .bind(id.path)
             .bind(&id.fingerprint[..])

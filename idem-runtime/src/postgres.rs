@@ -20,18 +20,9 @@ use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day, read_committed};
 use crate::signal::signal_of;
 
-/// Taken with every claim: the advisory try-lock on `seed` (never waits), and the
-/// timeouts (`timeout`, ms) that end the transaction at `lock` even if the
-/// application is frozen. Both hold until the transaction ends; `set_config(..,
-/// true)` is `SET LOCAL` without a round trip of its own.
-fn lock_and_timeouts(table: &str, seed: &str, timeout: &str) -> String {
-    format!(
-        "pg_try_advisory_xact_lock({}) \
-         AND set_config('statement_timeout', {timeout}, true) IS NOT NULL \
-         AND set_config('idle_in_transaction_session_timeout', {timeout}, true) IS NOT NULL",
-        lock_id(table, seed)
-    )
-}
+/// What a claim requires: that the keyed transaction holds the key's advisory
+/// lock, as [`Sql::opening`] left it in the transaction's setting `idem.locked`.
+const LOCKED: &str = "current_setting('idem.locked', true) = 'true'";
 
 /// The advisory lock of key `seed` in `table`. Keyed on the table itself (its oid,
 /// resolved as the statement's own table name is), so instances whose
@@ -66,7 +57,8 @@ const UPGRADE_2: Migration = Migration {
 
 /// The savepoint the handler runs after: a handler that catches a database error
 /// leaves PostgreSQL's transaction aborted, and rolling back to here keeps the
-/// claim, so the handler's own answer can still be recorded.
+/// key's lock, so the claim can be taken again and the handler's own answer
+/// recorded.
 const HANDLER_SAVEPOINT: &str = "SAVEPOINT idem_handler";
 const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 
@@ -81,9 +73,8 @@ pub struct Sql {
     record_announced: Arc<str>,
     sweep: Arc<str>,
     lock_left: Arc<str>,
-    /// Partitioned layout only: the lock, taken in a statement of its own so that
-    /// the claim's check for an existing row reads after it.
-    lock: Option<Arc<str>>,
+    /// The layout partitioned by day: its claim checks for an existing row itself.
+    partitioned: bool,
     /// Plain layout only: the lookup that also claims the key when it finds nothing.
     open: Option<Arc<str>>,
     /// Statements stay prepared on their connection: not through a transaction
@@ -125,20 +116,16 @@ impl Driver for Postgres {
 
     fn idem_sql(table: &str, layout: Layout, _pool: &PgPool) -> Sql {
         let partitioned = layout.partitioned;
-        // Plain layout: the primary key keeps (scope, key) unique, and the lock rides
-        // in the claim itself. Partitioned: the key includes `expires_at`, so the
-        // claim runs after the lock and inserts only if no partition holds the key.
-        let (new_guard, over_guard, lock) = if partitioned {
-            (
-                format!(
-                    "NOT EXISTS (SELECT 1 FROM {table} WHERE scope = $1 AND idempotency_key = $2)"
-                ),
-                "TRUE".to_owned(),
-                Some(format!("SELECT {}", lock_and_timeouts(table, "$1", "$2")).into()),
+        // Plain layout: the primary key keeps (scope, key) unique. Partitioned: the
+        // key includes `expires_at`, so the claim, which reads after the lock was
+        // taken, inserts only if no partition holds the key.
+        let new_guard = if partitioned {
+            format!(
+                "{LOCKED} AND NOT EXISTS \
+                 (SELECT 1 FROM {table} WHERE scope = $1 AND idempotency_key = $2)"
             )
         } else {
-            let guard = lock_and_timeouts(table, "$10", "$11");
-            (guard.clone(), guard, None)
+            LOCKED.to_owned()
         };
         let columns = "state, method, path, content_type, fingerprint, status::int8 AS status, \
                        headers, body, \
@@ -155,13 +142,11 @@ impl Driver for Postgres {
                     clock_timestamp() + $8::float8 * interval '1 millisecond', \
                     clock_timestamp(), $9"
         );
-        // The lock is tried only when nothing is stored, so a replay takes none.
         let open = (!partitioned).then(|| {
-            let guard = lock_and_timeouts(table, "$10", "$11");
             format!(
                 "WITH found AS MATERIALIZED ({lookup}), \
                  claimed AS ({insert} \
-                    WHERE CASE WHEN EXISTS (SELECT 1 FROM found) THEN false ELSE {guard} END \
+                    WHERE NOT EXISTS (SELECT 1 FROM found) AND {LOCKED} \
                     RETURNING lease) \
                  SELECT (SELECT lease FROM claimed) AS claimed, found.* \
                  FROM (VALUES (1)) AS one (x) LEFT JOIN found ON true"
@@ -174,7 +159,7 @@ impl Driver for Postgres {
                AND state = 'processing' AND locked_until > clock_timestamp()"
         );
         Sql {
-            lock,
+            partitioned,
             open,
             prepared: !layout.transaction_pooled,
             table: table.into(),
@@ -191,7 +176,7 @@ impl Driver for Postgres {
                  WHERE scope = $1 AND idempotency_key = $2 \
                    AND (expires_at <= clock_timestamp() \
                         OR (state = 'processing' AND locked_until <= clock_timestamp())) \
-                   AND {over_guard} \
+                   AND {LOCKED} \
                  RETURNING lease"
             )
             .into(),
@@ -284,44 +269,10 @@ impl Driver for Postgres {
         // A plain INSERT when the key was free: ON CONFLICT's speculative insertion
         // cost ~8% of throughput here. A row committed between the lookup and the
         // advisory lock then shows up as a unique violation: the race was lost.
-        let statement = if claim.replace {
-            &sql.claim_over
-        } else {
-            &sql.claim_new
-        };
-        let mut tx = begin(conn, sql).await?;
-        let query = claim
-            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
-            .persistent(sql.prepared);
-        let timeout = claim.lock_ms.to_string();
-        let claimed = match &sql.lock {
-            None => {
-                query
-                    .bind(advisory_key(id))
-                    .bind(timeout)
-                    .fetch_optional(&mut *tx)
-                    .await
-            }
-            Some(lock) => {
-                let locked: bool = sqlx::query_scalar(AssertSqlSafe(lock.clone()))
-                    .persistent(sql.prepared)
-                    .bind(advisory_key(id))
-                    .bind(timeout)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                if locked {
-                    query.fetch_optional(&mut *tx).await
-                } else {
-                    Ok(None)
-                }
-            }
-        };
-        match claimed {
-            Ok(Some(_)) => {
-                protect(&mut tx).await?;
-                Ok(Some(tx))
-            }
-            Ok(None) => {
+        let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
+        match sql.take(&mut tx, id, claim).await {
+            Ok(true) => Ok(Some(tx)),
+            Ok(false) => {
                 tx.rollback().await?;
                 Ok(None)
             }
@@ -345,12 +296,10 @@ impl Driver for Postgres {
         let Some(open) = &sql.open else {
             return look_then_claim(conn, sql, id, claim).await;
         };
-        let mut tx = begin(conn, sql).await?;
+        let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
             .persistent(sql.prepared)
-            .bind(advisory_key(id))
-            .bind(claim.lock_ms.to_string())
             .fetch_one(&mut *tx)
             .await;
         let row = match row {
@@ -362,7 +311,6 @@ impl Driver for Postgres {
             Err(error) => return Err(error),
         };
         if row.try_get::<Option<i64>, _>("claimed")?.is_some() {
-            protect(&mut tx).await?;
             return Ok(Opened::Claimed(tx));
         }
         // Nothing was written: the rollback goes out at the connection's next use
@@ -385,7 +333,7 @@ impl Driver for Postgres {
         // Partitioned layout: a key whose day has no partition (maintenance is
         // late, or its days ahead fall short of this ttl) fails its check; the
         // claim attaches the day itself, as maintenance would.
-        let missing_day = sql.lock.is_some()
+        let missing_day = sql.partitioned
             && matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("23514"));
         if !missing_day {
             return Ok(false);
@@ -405,19 +353,24 @@ impl Driver for Postgres {
         conn: &'c mut PgConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
-        lease: i64,
+        claim: Claim,
         response: Recorded<'c>,
         announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
-        match record(conn, sql, id, lease, &response, announce).await {
+        match record(conn, sql, id, claim.lease, &response, announce).await {
             // The handler caught a database error and answered anyway: what it
-            // wrote is void, as PostgreSQL voids an aborted transaction's writes;
-            // its claim, taken before the savepoint, still stands.
+            // wrote is void, as PostgreSQL voids an aborted transaction's writes.
+            // The claim, taken after the savepoint, went with it, but the key's
+            // lock, taken before, still holds: nobody else can have claimed the
+            // key meanwhile, so it is claimed again, as it was.
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
                 sqlx::raw_sql(BACK_TO_HANDLER_SAVEPOINT)
                     .execute(&mut *conn)
                     .await?;
-                record(conn, sql, id, lease, &response, announce).await
+                if !sql.take(conn, id, claim).await? {
+                    return Ok(false);
+                }
+                record(conn, sql, id, claim.lease, &response, announce).await
             }
             recorded => recorded,
         }
@@ -511,24 +464,58 @@ impl Driver for Postgres {
     }
 }
 
-/// Opens a keyed transaction. The partitioned layout's claim must see every row
-/// committed before its lock was granted, which only READ COMMITTED guarantees: a
-/// snapshot taken at the transaction's first statement predates the lock.
-async fn begin<'c>(
-    conn: &'c mut PgConnection,
-    sql: &Sql,
-) -> Result<Transaction<'c, Postgres>, sqlx::Error> {
-    if sql.lock.is_some() {
-        read_committed(conn).await
-    } else {
-        conn.begin().await
+impl Sql {
+    /// Opens a keyed transaction in the round trip of its `BEGIN`, which sqlx sends
+    /// alone anyway: the timeouts that end the transaction at its lock (`lock_ms`)
+    /// even if the application is frozen; the key's advisory try-lock, which never
+    /// waits, its outcome kept for the claim in the transaction's setting
+    /// `idem.locked` (`LOCKED`); and the handler's savepoint. All of it holds until
+    /// the transaction ends. The literals are integers and the configured table
+    /// name, never request data. The partitioned layout's claim must see every row
+    /// committed before the lock was granted, which only READ COMMITTED
+    /// guarantees: a snapshot taken by the statement that takes the lock predates it.
+    async fn opening<'c>(
+        &self,
+        conn: &'c mut PgConnection,
+        id: &Identity<'_>,
+        lock_ms: i64,
+    ) -> Result<Transaction<'c, Postgres>, sqlx::Error> {
+        let begin = if self.partitioned {
+            "BEGIN ISOLATION LEVEL READ COMMITTED"
+        } else {
+            "BEGIN"
+        };
+        let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        conn.begin_with(AssertSqlSafe(format!(
+            "{begin}; \
+             SELECT set_config('statement_timeout', '{lock_ms}', true), \
+                    set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
+                    set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true); \
+             {HANDLER_SAVEPOINT}"
+        )))
+        .await
     }
-}
 
-/// Sets the handler's savepoint, once the claim is taken.
-async fn protect(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(HANDLER_SAVEPOINT).execute(tx).await?;
-    Ok(())
+    /// Claims the key in a transaction [`opening`](Self::opening) opened: `false`
+    /// when another executor holds its lock (or, partitioned, a row holds it).
+    async fn take(
+        &self,
+        conn: &mut PgConnection,
+        id: &Identity<'_>,
+        claim: Claim,
+    ) -> Result<bool, sqlx::Error> {
+        let statement = if claim.replace {
+            &self.claim_over
+        } else {
+            &self.claim_new
+        };
+        let claimed = claim
+            .bind(id, sqlx::query(AssertSqlSafe(statement.clone())))
+            .persistent(self.prepared)
+            .fetch_optional(conn)
+            .await?;
+        Ok(claimed.is_some())
+    }
 }
 
 /// A claim that failed because another executor took the key since this

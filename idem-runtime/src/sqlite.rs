@@ -169,7 +169,7 @@ impl Driver for Sqlite {
         conn: &'c mut SqliteConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
-        lease: i64,
+        claim: Claim,
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<bool, sqlx::Error> {
@@ -177,7 +177,7 @@ impl Driver for Sqlite {
             sqlx::query(AssertSqlSafe(sql.record.clone()))
                 .bind(id.scope)
                 .bind(id.key)
-                .bind(lease)
+                .bind(claim.lease)
                 .bind(response.status)
                 .bind(response.headers)
                 .bind(response.body)

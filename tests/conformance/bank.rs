@@ -4,10 +4,12 @@
 //! that catches a unique violation, one that opens a savepoint of its own.
 
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::extract::FromRequestParts;
-use axum::extract::{FromRef, Path, Request};
+use axum::extract::{FromRef, Path, Request, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -62,6 +64,9 @@ async fn auth(mut request: Request, next: Next) -> Response {
 
 pub struct Bank<H: Harness> {
     idempotency: Idempotency<H::DB>,
+    /// Sign-ups run: what a provider called from the handler, outside the
+    /// database, would have been asked for.
+    sign_ups: Arc<AtomicUsize>,
     _harness: PhantomData<fn() -> H>,
 }
 
@@ -69,6 +74,7 @@ impl<H: Harness> Clone for Bank<H> {
     fn clone(&self) -> Self {
         Self {
             idempotency: self.idempotency.clone(),
+            sign_ups: self.sign_ups.clone(),
             _harness: PhantomData,
         }
     }
@@ -112,10 +118,12 @@ pub struct SignUp {
 /// database's unique violation. On PostgreSQL that leaves the transaction aborted.
 #[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
 async fn sign_up<H: Harness>(
+    State(bank): State<Bank<H>>,
     Extension(user): Extension<User>,
     mut tx: Tx<H::DB>,
     Json(req): Json<SignUp>,
 ) -> (StatusCode, String) {
+    bank.sign_ups.fetch_add(1, Ordering::SeqCst);
     let audit = "INSERT INTO audit (owner, what) VALUES ($1, $2)";
     let what = format!("sign-up attempt {}", req.email);
     if let Err(error) = H::exec(&mut *tx, audit, &[&user.0, &what]).await {
@@ -257,8 +265,15 @@ pub type Service = BoxCloneSyncService<Request, Response, std::convert::Infallib
 
 /// The whole app, behind `NormalizePath` (trailing slashes trimmed before routing).
 pub fn app<H: Harness>(idempotency: Idempotency<H::DB>) -> Service {
+    app_counting::<H>(idempotency).0
+}
+
+/// [`app`], and how many times its sign-up handler has run.
+pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Arc<AtomicUsize>) {
+    let sign_ups = Arc::new(AtomicUsize::new(0));
     let state = Bank::<H> {
         idempotency,
+        sign_ups: sign_ups.clone(),
         _harness: PhantomData,
     };
     let accounts = Router::new().route("/transfers", post(transfer::<H>));
@@ -285,7 +300,8 @@ pub fn app<H: Harness>(idempotency: Idempotency<H::DB>) -> Service {
         .route_layer(middleware::from_fn(auth))
         .nest_service("/legacy", legacy.layer(middleware::from_fn(auth)))
         .with_state(state);
-    BoxCloneSyncService::new(NormalizePathLayer::trim_trailing_slash().layer(router))
+    let service = NormalizePathLayer::trim_trailing_slash().layer(router);
+    (BoxCloneSyncService::new(service), sign_ups)
 }
 
 /// Sends one request to the app; `Body` and headers as a client would.

@@ -114,13 +114,14 @@ pub async fn nested_routes_keep_their_identity<H: Harness>() {
 
 /// Contract §4.3–4.4: a handler that catches a database error (a unique violation) and
 /// answers its own 409 has that answer recorded and replayed on every backend,
-/// concurrent duplicates included; what it wrote follows the database's own rules
-/// (PostgreSQL voids an aborted transaction's writes, the others only the failed
-/// statement's).
+/// concurrent duplicates included, and runs once per key meanwhile (on PostgreSQL
+/// its claim is taken again after the aborted transaction); what it wrote follows
+/// the database's own rules (PostgreSQL voids an aborted transaction's writes, the
+/// others only the failed statement's).
 pub async fn caught_database_errors_are_recorded<H: Harness>() {
-    let Some((h, app)) = start_bank::<H>().await else {
-        return;
-    };
+    let Some(h) = start::<H>().await else { return };
+    h.script(bank::SCHEMA).await;
+    let (app, sign_ups) = bank::app_counting::<H>(h.store().clone());
     let body = r#"{"email":"ann@example.com"}"#;
     let created = call(&app, bank::request("/v1/users", "alice", "s1", body)).await;
     assert_eq!(created.status, 201, "{created:?}");
@@ -155,13 +156,48 @@ pub async fn caught_database_errors_are_recorded<H: Harness>() {
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
     assert_eq!(retry.body, taken[0].body);
 
+    // A storm: duplicates that retry while the key is in flight, so that some
+    // arrive while the executor records after its aborted transaction.
+    let keys = 16;
+    let storm = (0..keys).flat_map(|k| (0..4).map(move |_| (k, format!("s-storm-{k}"))));
+    let storm = storm.map(|(k, key)| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            for _ in 0..2_000 {
+                let got = call(&app, bank::request("/v1/users", "bob", &key, body)).await;
+                if got.problem().as_deref() != Some("in-flight") {
+                    return (k, got);
+                }
+                tokio::task::yield_now().await;
+            }
+            panic!("{key} stayed in flight");
+        })
+    });
+    let mut answers = Vec::new();
+    for client in storm.collect::<Vec<_>>() {
+        answers.push(client.await.expect("client"));
+    }
+    for (k, answer) in &answers {
+        assert_eq!(answer.status, 409, "key {k}: {answer:?}");
+        assert_eq!(answer.body, taken[0].body, "key {k}: I2");
+    }
+    assert_eq!(
+        sign_ups.load(std::sync::atomic::Ordering::SeqCst),
+        2 + keys,
+        "the handler ran once for each key"
+    );
+
     let audit = h
         .count("SELECT count(*) FROM audit WHERE owner = $1", &["bob"])
         .await;
-    let expected = if H::ERROR_VOIDS_TRANSACTION { 0 } else { 1 };
+    let expected = if H::ERROR_VOIDS_TRANSACTION {
+        0
+    } else {
+        1 + i64::try_from(keys).expect("few")
+    };
     assert_eq!(
         audit, expected,
-        "bob's audit row, written before the violation"
+        "bob's audit rows, written before the violation"
     );
     assert_eq!(
         h.count(
@@ -172,9 +208,11 @@ pub async fn caught_database_errors_are_recorded<H: Harness>() {
         1
     );
     let rows = h.key_rows("bob").await;
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].1.state, "completed");
-    assert_eq!(rows[0].1.status, Some(409));
+    assert_eq!(rows.len(), 1 + keys);
+    for (key, row) in &rows {
+        assert_eq!(row.state, "completed", "{key}");
+        assert_eq!(row.status, Some(409), "{key}");
+    }
     assert_eq!(h.open_transactions().await, 0);
     h.finish().await;
 }

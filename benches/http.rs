@@ -25,8 +25,11 @@
 //!
 //! - `bare`: the handler with a sqlx transaction, no idempotency;
 //! - `hand-written`: the floor of idem's design on that backend for a new key, by
-//!   hand behind axum. PostgreSQL: in one transaction, a statement that reads the
-//!   key and claims it under an advisory try-lock, the write, the record. MySQL: in
+//!   hand behind axum. PostgreSQL: in the round trip of `BEGIN` the transaction's
+//!   timeouts, the key's advisory try-lock and the handler's savepoint, then a
+//!   statement that reads the key and claims it if the lock was granted, the
+//!   write, the record (`hand-written-minimal`, for `--paired` only: without the
+//!   timeouts and the savepoint, the try-lock in the claim). MySQL: in
 //!   the round trip of `BEGIN` the session's timeouts set and the key's
 //!   `GET_LOCK(…, 0)`, the row read after it, the write, the record inserted, the
 //!   lock freed and the timeouts restored with the COMMIT. SQLite: a look-up,
@@ -171,57 +174,96 @@ fn answer_stored(found: Option<(String, Option<Vec<u8>>)>) -> Option<(StatusCode
     }
 }
 
-/// PostgreSQL's floor for a new key: in one transaction, one statement that reads
-/// the key and, when absent, claims it under an advisory try-lock; the write; the
-/// record.
+/// PostgreSQL's floor for a new key: in the round trip of `BEGIN`, the
+/// transaction's timeouts, the key's advisory try-lock (its outcome in a setting
+/// the claim reads) and the handler's savepoint; one statement that reads the key
+/// and, when absent and locked, claims it; the write; the record.
 async fn hand_written(
     State(app): State<App<Postgres>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
-        let mut tx = app.pool.begin().await?;
-        // The claim's lease, or what is stored: state and response body.
-        type Seen = (Option<i64>, Option<String>, Option<Vec<u8>>);
-        let seen: Result<Seen, _> = sqlx::query_as(
-            "WITH found AS MATERIALIZED ( \
-                 SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = $1), \
-             claimed AS ( \
-                 INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-                     fingerprint, locked_until, expires_at, created_at) \
-                 SELECT '', $1, 'processing', 1, 'POST', '/payments', '\\x00', \
-                     clock_timestamp() + interval '30 seconds', clock_timestamp() + interval '1 day', \
-                     clock_timestamp() \
-                 WHERE CASE WHEN EXISTS (SELECT 1 FROM found) THEN false \
-                            ELSE pg_try_advisory_xact_lock(hashtext($1)) END \
-                 RETURNING lease) \
-             SELECT (SELECT lease FROM claimed), found.state, found.body \
-             FROM (SELECT 1) AS one LEFT JOIN found ON true",
-        )
-        .bind(&key)
-        .fetch_one(&mut *tx)
-        .await;
-        match seen {
-            Ok((Some(_), _, _)) => {}
-            Ok((None, Some(state), stored)) if state == "completed" => {
-                return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
-            }
-            _ => return Ok((StatusCode::CONFLICT, Vec::new())),
-        }
-        let payment = Postgres::insert(&mut tx, &key, &new).await?;
-        let out = serde_json::to_vec(&payment).unwrap_or_default();
-        sqlx::query(
-            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
-             WHERE scope = '' AND idempotency_key = $1 AND lease = 1",
-        )
-        .bind(&key)
-        .bind(&out)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok((StatusCode::CREATED, out))
+        floor_postgres(&app, key, new, true).await
     })
     .await
+}
+
+/// The same without the savepoint and the timeouts: the try-lock in the claim.
+async fn hand_written_minimal(
+    State(app): State<App<Postgres>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        floor_postgres(&app, key, new, false).await
+    })
+    .await
+}
+
+async fn floor_postgres(
+    app: &App<Postgres>,
+    key: String,
+    new: NewPayment,
+    faithful: bool,
+) -> Floor {
+    let (mut tx, locked) = if faithful {
+        // The lock's seed computed here, as idem computes its own: no request
+        // text in the SQL.
+        let digest = <sha2::Sha256 as sha2::Digest>::digest(key.as_bytes());
+        let seed = i64::from_be_bytes(digest[..8].try_into().unwrap_or_default());
+        let begin = format!(
+            "BEGIN; SELECT set_config('statement_timeout', '30000', true), \
+                    set_config('idle_in_transaction_session_timeout', '30000', true), \
+                    set_config('idem.locked', pg_try_advisory_xact_lock('{seed}'::int8)::text, true); \
+             SAVEPOINT handler"
+        );
+        let tx = app.pool.begin_with(AssertSqlSafe(begin)).await?;
+        (tx, "current_setting('idem.locked', true) = 'true'")
+    } else {
+        (
+            app.pool.begin().await?,
+            "pg_try_advisory_xact_lock(hashtext($1))",
+        )
+    };
+    // The claim's lease, or what is stored: state and response body.
+    type Seen = (Option<i64>, Option<String>, Option<Vec<u8>>);
+    let seen: Result<Seen, _> = sqlx::query_as(AssertSqlSafe(format!(
+        "WITH found AS MATERIALIZED ( \
+             SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = $1), \
+         claimed AS ( \
+             INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             SELECT '', $1, 'processing', 1, 'POST', '/payments', '\\x00', \
+                 clock_timestamp() + interval '30 seconds', clock_timestamp() + interval '1 day', \
+                 clock_timestamp() \
+             WHERE NOT EXISTS (SELECT 1 FROM found) AND {locked} \
+             RETURNING lease) \
+         SELECT (SELECT lease FROM claimed), found.state, found.body \
+         FROM (SELECT 1) AS one LEFT JOIN found ON true"
+    )))
+    .bind(&key)
+    .fetch_one(&mut *tx)
+    .await;
+    match seen {
+        Ok((Some(_), _, _)) => {}
+        Ok((None, Some(state), stored)) if state == "completed" => {
+            return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
+        }
+        _ => return Ok((StatusCode::CONFLICT, Vec::new())),
+    }
+    let payment = Postgres::insert(&mut tx, &key, &new).await?;
+    let out = serde_json::to_vec(&payment).unwrap_or_default();
+    sqlx::query(
+        "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
+         WHERE scope = '' AND idempotency_key = $1 AND lease = 1",
+    )
+    .bind(&key)
+    .bind(&out)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((StatusCode::CREATED, out))
 }
 
 /// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
@@ -387,7 +429,12 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 .min_connections(size)
                 .connect(&std::env::var("DATABASE_URL")?)
                 .await?;
-            serve_on(pool, size as usize, Some(post(hand_written_mysql))).await
+            serve_on(
+                pool,
+                size as usize,
+                vec![("hand-written", post(hand_written_mysql))],
+            )
+            .await
         }
         Ok("sqlite") => {
             let size: u32 = std::env::var("POOL")?.parse()?;
@@ -401,11 +448,20 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 .min_connections(size)
                 .connect_with(options)
                 .await?;
-            serve_on(pool, size as usize, Some(post(hand_written_sqlite))).await
+            serve_on(
+                pool,
+                size as usize,
+                vec![("hand-written", post(hand_written_sqlite))],
+            )
+            .await
         }
         _ => {
             let (pool, size) = shop::pool_from_env().await?;
-            serve_on(pool, size, Some(post(hand_written))).await
+            let floors = vec![
+                ("hand-written", post(hand_written)),
+                ("hand-written-minimal", post(hand_written_minimal)),
+            ];
+            serve_on(pool, size, floors).await
         }
     }
 }
@@ -432,11 +488,11 @@ impl Tune for Sqlite {
     }
 }
 
-/// Serves the variant `VARIANT` asks for; `hand_written`, where that backend has one.
+/// Serves the variant `VARIANT` asks for; `floors`: that backend's hand-written ones, by name.
 async fn serve_on<DB: idem::Backend + Shop + Tune>(
     pool: Pool<DB>,
     size: usize,
-    hand_written: Option<MethodRouter<App<DB>>>,
+    floors: Vec<(&str, MethodRouter<App<DB>>)>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     // `IDEM_BENCH_REPLAY_CACHE=0` (inherited from the bench) measures without it.
     let mut idempotency = Idempotency::builder(pool.clone());
@@ -454,7 +510,10 @@ async fn serve_on<DB: idem::Backend + Shop + Tune>(
     };
     let handler = match std::env::var("VARIANT")?.as_str() {
         "bare" => post(shop::pay::<DB>),
-        "hand-written" => hand_written.ok_or("no hand-written floor for this backend")?,
+        floor if floor.starts_with("hand-written") => floors
+            .into_iter()
+            .find_map(|(name, handler)| (name == floor).then_some(handler))
+            .ok_or("no such hand-written floor for this backend")?,
         "naive-cache" => post(naive_cache::<DB>),
         _ => post(idem::<DB>),
     };
@@ -1509,12 +1568,14 @@ fn main() {
 
 /// `--paired a,b`: the two variants served at once, each by its own server with
 /// half the connections, so that whatever the machine does meanwhile lands on
-/// both; `b`'s rate over `a`'s, per round. New keys only (`bare`, `hand-written`,
-/// `idem-first`).
+/// both; `b`'s rate over `a`'s, per round, and each server's CPU time per request.
+/// New keys only (`bare`, `hand-written`, `idem-first`; on PostgreSQL also
+/// `hand-written-minimal`, the floor without the savepoint and the timeouts).
 async fn paired(settings: &Settings, target: &Target, pair: &str) {
     let serves = |variant: &str| match variant {
         "bare" => Some(("bare", "bare")),
         "hand-written" => Some(("hand-written", "hand-written")),
+        "hand-written-minimal" => Some(("hand-written-minimal", "hand-written-minimal")),
         "idem-first" => Some(("idem-first", "idem")),
         _ => None,
     };
@@ -1522,7 +1583,9 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         .split_once(',')
         .and_then(|(a, b)| serves(a).zip(serves(b)))
     else {
-        eprintln!("--paired takes two of bare, hand-written, idem-first: {pair:?}");
+        eprintln!(
+            "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL), idem-first: {pair:?}"
+        );
         return;
     };
     let half = (settings.connections / 2).max(1);
@@ -1535,10 +1598,10 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         settings.secs
     );
     println!(
-        "| round | {} req/s | {} req/s | {} / {} |",
-        a.0, b.0, b.0, a.0
+        "| round | {} req/s | {} req/s | {} / {} | {} server CPU µs/req | {} server CPU µs/req |",
+        a.0, b.0, b.0, a.0, a.0, b.0
     );
-    println!("| ---: | ---: | ---: | ---: |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
     for round in 0..settings.rounds {
         let mut servers = Vec::new();
         for (n, (variant, serves)) in [a, b].into_iter().enumerate() {
@@ -1567,15 +1630,22 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
                 load.start(half, &Arc::new(AtomicU64::new(0)), warm_until, until)
             })
             .collect();
+        tokio::time::sleep_until(warm_until.into()).await;
+        let cpu_before: Vec<f64> = servers.iter().map(|(_, _, s)| s.cpu_seconds()).collect();
         let mut rates = Vec::new();
-        for workers in loads {
+        let mut cpu_us = Vec::new();
+        for (workers, ((_, _, server), before)) in
+            loads.into_iter().zip(servers.iter().zip(cpu_before))
+        {
             let (latencies, _) = Load::finish(workers).await;
+            let served = latencies.len().max(1) as f64;
+            cpu_us.push((server.cpu_seconds() - before) * 1e6 / served);
             rates.push(latencies.len() as f64 / settings.secs as f64);
         }
         let ratio = rates[1] / rates[0].max(1.0);
         println!(
-            "| {round} | {:.0} | {:.0} | {ratio:.2} |",
-            rates[0], rates[1]
+            "| {round} | {:.0} | {:.0} | {ratio:.2} | {:.0} | {:.0} |",
+            rates[0], rates[1], cpu_us[0], cpu_us[1]
         );
         ratios.push(ratio);
         for (_, schema, server) in servers {

@@ -177,26 +177,16 @@ fn answer_stored(found: Option<(String, Option<Vec<u8>>)>) -> Option<(StatusCode
 /// PostgreSQL's floor for a new key: in the round trip of `BEGIN`, the
 /// transaction's timeouts, the key's advisory try-lock (its outcome in a setting
 /// the claim reads) and the handler's savepoint; one statement that reads the key
-/// and, when absent and locked, claims it; the write; the record.
-async fn hand_written(
+/// and, when absent and locked, claims it; the write; the record. `FAITHFUL =
+/// false` (`hand-written-minimal`): without the savepoint and the timeouts, the
+/// try-lock in the claim.
+async fn hand_written<const FAITHFUL: bool>(
     State(app): State<App<Postgres>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
-        floor_postgres(&app, key, new, true).await
-    })
-    .await
-}
-
-/// The same without the savepoint and the timeouts: the try-lock in the claim.
-async fn hand_written_minimal(
-    State(app): State<App<Postgres>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    by_hand(&headers, &body, |key, new| async move {
-        floor_postgres(&app, key, new, false).await
+        floor_postgres(&app, key, new, FAITHFUL).await
     })
     .await
 }
@@ -458,8 +448,8 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
         _ => {
             let (pool, size) = shop::pool_from_env().await?;
             let floors = vec![
-                ("hand-written", post(hand_written)),
-                ("hand-written-minimal", post(hand_written_minimal)),
+                ("hand-written", post(hand_written::<true>)),
+                ("hand-written-minimal", post(hand_written::<false>)),
             ];
             serve_on(pool, size, floors).await
         }

@@ -158,14 +158,16 @@ async fn begin<'c>(
     Ok(tx)
 }
 
+/// `BEGIN` at READ COMMITTED, whatever the default.
+pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
 /// A transaction at READ COMMITTED, whatever the default: a statement that checks
 /// the catalog after taking a lock must see what the lock's last holder committed,
 /// and at REPEATABLE READ the snapshot would predate the lock.
 pub(crate) async fn read_committed(
     conn: &mut PgConnection,
 ) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, sqlx::Error> {
-    conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await
+    conn.begin_with(BEGIN_READ_COMMITTED).await
 }
 
 /// Attaches the partition of one day unless it exists or the default partition

@@ -17,7 +17,9 @@ use crate::backend::{
     sealed::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
-use crate::partitions::{Day, DaySpec, UPGRADE_3, attach_day, read_committed};
+use crate::partitions::{
+    BEGIN_READ_COMMITTED, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
+};
 use crate::signal::signal_of;
 
 /// What a claim requires: that the keyed transaction holds the key's advisory
@@ -481,7 +483,7 @@ impl Sql {
         lock_ms: i64,
     ) -> Result<Transaction<'c, Postgres>, sqlx::Error> {
         let begin = if self.partitioned {
-            "BEGIN ISOLATION LEVEL READ COMMITTED"
+            BEGIN_READ_COMMITTED
         } else {
             "BEGIN"
         };

@@ -31,6 +31,8 @@ use std::future::Future;
 
 use sqlx::{Database, Transaction};
 
+use crate::tx::Adopted;
+
 /// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`),
 /// [`sqlx::MySql`] (feature `mysql`, for MySQL and MariaDB) or [`sqlx::Sqlite`]
 /// (feature `sqlite`).
@@ -235,6 +237,9 @@ impl Claim {
 pub enum Opened<'c, DB: Database> {
     /// The key was free and is claimed: the transaction the handler runs in.
     Claimed(Transaction<'c, DB>),
+    /// Claimed, by a driver that let go of the transaction's guard so that it could
+    /// use the connection again when the claim failed (MySQL's `idem_open`).
+    Adopted(Adopted),
     /// A row is stored under the key; no transaction is left open.
     Found(Found),
     /// The key looked free, but another executor holds it or completed it meanwhile.
@@ -246,7 +251,7 @@ impl<DB: Database> Opened<'_, DB> {
     pub(crate) fn found(self) -> Option<Found> {
         match self {
             Self::Found(found) => Some(found),
-            Self::Claimed(_) | Self::Lost => None,
+            Self::Claimed(_) | Self::Adopted(_) | Self::Lost => None,
         }
     }
 }

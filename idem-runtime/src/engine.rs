@@ -498,8 +498,9 @@ impl<DB: Backend> Idempotency<DB> {
         };
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
-        let (tx, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
-            Ok(Opened::Claimed(tx)) => (tx, false, claim),
+        let (adopted, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
+            Ok(Opened::Claimed(tx)) => (Open::adopt(tx), false, claim),
+            Ok(Opened::Adopted(adopted)) => (adopted, false, claim),
             // `other` takes the whole result, so `conn` is free again below.
             other => match other.map(Opened::found) {
                 Ok(Some(found)) => {
@@ -515,7 +516,7 @@ impl<DB: Backend> Idempotency<DB> {
                     };
                     let claim = Claim { replace, ..claim };
                     match DB::idem_claim(&mut conn, sql, id, claim).await {
-                        Ok(Some(tx)) => (tx, takeover, claim),
+                        Ok(Some(tx)) => (Open::adopt(tx), takeover, claim),
                         other => {
                             let error = other.err();
                             return self
@@ -545,7 +546,6 @@ impl<DB: Backend> Idempotency<DB> {
         metrics::claimed(began.elapsed(), endpoint);
         let _held = metrics::Held::new();
 
-        let adopted = Open::adopt(tx);
         let open = Open::new(conn, adopted);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use sha2::{Digest as _, Sha256};
+use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
@@ -15,6 +16,7 @@ use crate::backend::{
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::key::to_hex;
+use crate::tx::Open;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64. Named
 /// locks are the server's, not a database's: the session's database is part of
@@ -27,8 +29,8 @@ const LOCK_NAME: &str =
 #[derive(Debug)]
 pub struct Sql {
     lookup: Arc<str>,
-    /// The look at (scope, key) right after the claim's `BEGIN`, which took the
-    /// key's named lock: whether it was taken, and the row if there is one.
+    /// The look at (scope, key) after the claim tried the key's named lock: whether
+    /// it was taken, and whether there is a row.
     open: Arc<str>,
     record: Arc<str>,
     lock_left: Arc<str>,
@@ -37,6 +39,8 @@ pub struct Sql {
     finish: Arc<str>,
     /// `COMMIT`, then `finish`, in one round trip.
     commit: Arc<str>,
+    /// The table, for the check `new_key_check` writes out per key.
+    table: Box<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
     /// Whether the session's database is `database`, as SQL. `X'…'` compares as
@@ -130,6 +134,7 @@ impl Driver for MySql {
             )
             .into(),
             commit: format!("COMMIT; {finish}").into(),
+            table: table.into(),
             finish: finish.into(),
             in_database: format!("COALESCE(DATABASE(), '') = X'{}'", to_hex(database.as_bytes()))
                 .into(),
@@ -174,16 +179,21 @@ impl Driver for MySql {
         claim: Claim,
     ) -> Result<Opened<'c, MySql>, sqlx::Error> {
         // A completed key this process kept was answered from its replay cache
-        // before this; any other is probably new, so its lock is taken and its row
-        // read in the claim's first two statements.
-        let (mut tx, locked, found) = lock_and_read(conn, sql, id, claim).await?;
-        if locked && found.is_none() {
-            return Ok(Opened::Claimed(tx));
+        // before this; any other is probably new, so the claim is one round trip,
+        // which begins the transaction only if the key's lock is taken and it has
+        // no row (`new_key_check`).
+        let begin = claim_begin(sql, id, claim, Some(&new_key_check(sql, id)));
+        match conn.begin_with(AssertSqlSafe(begin)).await {
+            // Adopted here, so that the connection is free for the arm below.
+            Ok(tx) => return Ok(Opened::Adopted(Open::adopt(tx))),
+            Err(error) if taken(&error) => {}
+            Err(error) => return Err(error),
         }
-        // Stored, or its lock busy: free what the attempt took. The ROLLBACK goes
-        // out with the connection's next statement.
-        finish(&mut tx, sql).await?;
-        drop(tx);
+        // Stored, or its lock busy, and no transaction begun: read what is stored,
+        // then free what the claim took. (A row swept between the check and the
+        // read answers as in flight: the retry claims the key.)
+        let (_, found) = read(conn, sql, id).await?;
+        finish(conn, sql).await?;
         Ok(found.map_or(Opened::Lost, Opened::Found))
     }
 
@@ -363,44 +373,88 @@ async fn apply(
     Ok(())
 }
 
-/// Begins the claim's transaction, in one round trip with what the claim takes on
-/// the session first: the session's timeouts set to its lock (their own values
-/// saved, for `finish` to restore), the key's named lock tried, and the claim's
-/// times by the database clock. Then reads the key's row, as the transaction's
-/// first read: whether the lock was taken, and what is stored (read in full only
-/// when there is a row).
+/// Begins the claim's transaction for a row found expired or abandoned, and reads
+/// the key's row again under the lock: whether it was taken, and what is stored.
 async fn lock_and_read<'c>(
     conn: &'c mut MySqlConnection,
     sql: &Sql,
     id: &Identity<'_>,
     claim: Claim,
 ) -> Result<(Transaction<'c, MySql>, bool, Option<Found>), sqlx::Error> {
+    let begin = claim_begin(sql, id, claim, None);
+    let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+    let (locked, found) = read(&mut tx, sql, id).await?;
+    Ok((tx, locked, found))
+}
+
+/// What the claim takes on the session, `check`, and `BEGIN`, as one text: the
+/// session's timeouts set to its lock (their own values saved, for `finish` to
+/// restore), the key's named lock tried, and the claim's times by the database
+/// clock. A `check` that fails ends the text before `BEGIN`.
+fn claim_begin(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     let lock_us = claim.lock_ms.saturating_mul(1000);
     let lock = lock_name(sql, id);
+    let check = check.map(|check| format!("{check}; ")).unwrap_or_default();
     // One SET evaluates every value before it assigns any: the saved timeouts are
     // the session's own, and the lock's name is stored before the lock is tried.
-    let begin = format!(
+    format!(
         "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
              @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout, \
              SESSION wait_timeout = {wait_secs}, SESSION innodb_lock_wait_timeout = {wait_secs}, \
              @idem_lock = {lock}, @idem_locked = GET_LOCK({lock}, 0), \
              @idem_at = UTC_TIMESTAMP(6), \
              @idem_until = UTC_TIMESTAMP(6) + INTERVAL {lock_us} MICROSECOND; \
-         BEGIN"
-    );
-    let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+         {check}BEGIN"
+    )
+}
+
+/// The statement between the claim's `SET` and its `BEGIN` that fails unless the
+/// lock was taken and the key has no row: sqlx's `BEGIN` returns no rows, but its
+/// error comes back. The largest `BIGINT UNSIGNED` plus 1 for a busy lock or a
+/// stored row is error 1690, whatever the `sql_mode` (which `DO` would turn into
+/// a warning). The read comes after the lock, so it sees every row committed
+/// before the lock's last holder let it go. A plain `SELECT` is a consistent
+/// read, where `SET` over the same subquery would lock the index's gap and hold
+/// up other keys' records. Scope and key are written as hex, which cannot end the
+/// literal.
+fn new_key_check(sql: &Sql, id: &Identity<'_>) -> String {
+    format!(
+        "SELECT 18446744073709551615 + IF(@idem_locked <=> 1, 0, 1) \
+                + EXISTS (SELECT 1 FROM {} WHERE scope = X'{}' AND idempotency_key = X'{}')",
+        sql.table,
+        to_hex(id.scope.as_bytes()),
+        to_hex(id.key.as_bytes()),
+    )
+}
+
+/// Whether `error` is `new_key_check` failing: the key is locked or stored.
+fn taken(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.try_downcast_ref::<MySqlDatabaseError>())
+        .is_some_and(|error| error.number() == 1690)
+}
+
+/// Reads, after the claim tried the key's lock (and so every row committed before
+/// the lock's last holder let it go), whether the lock was taken and what is stored
+/// (in full only when there is a row).
+async fn read(
+    conn: &mut MySqlConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+) -> Result<(bool, Option<Found>), sqlx::Error> {
     let (locked, stored): (Option<i64>, i64) = sqlx::query_as(AssertSqlSafe(sql.open.clone()))
         .bind(id.scope)
         .bind(id.key)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut *conn)
         .await?;
     let found = if stored == 1 {
-        Found::load::<MySql>(&mut tx, &sql.lookup, id, true).await?
+        Found::load::<MySql>(conn, &sql.lookup, id, true).await?
     } else {
         None
     };
-    Ok((tx, locked == Some(1), found))
+    Ok((locked == Some(1), found))
 }
 
 /// The key's named lock as an SQL expression. `LOCK_NAME` costs the server more

@@ -190,8 +190,9 @@ impl<DB: Database> Open<DB> {
     }
 }
 
-/// Proof that a transaction was handed to [`Open`].
-pub(crate) struct Adopted(());
+/// Proof that a transaction was handed to [`Open`]: sqlx counts it open on the
+/// connection, and its guard is gone.
+pub struct Adopted(());
 
 impl<DB: Database> Deref for Open<DB> {
     type Target = DB::Connection;

@@ -73,6 +73,102 @@ pub async fn the_table_holds_legal_requests_and_responses<H: Harness>() {
     h.finish().await;
 }
 
+/// Scopes and keys reach SQL as bound parameters and, in MySQL's claim, as hex
+/// literals written into its text: every kind of byte a scope or key may hold
+/// finds its own row. Each pair is raced by duplicates over three instances (one
+/// execution), then replayed by an instance that never saw it (the database's
+/// row, not a replay cache), then refused with another body.
+pub async fn any_legal_scope_and_key_finds_its_own_row<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let apps = [
+        router(&h),
+        router_on::<H>(h.another_instance()),
+        router_on::<H>(h.another_instance()),
+    ];
+    let scopes = [
+        "O'Brien",
+        r"back\slash",
+        r#"quote"d"#,
+        "50%_off",
+        "x'); DELETE FROM effects; --",
+    ];
+    // Raw header values: bare keys take any visible ASCII but the comma; a quoted
+    // one holds spaces, commas and escaped quotes.
+    let keys = [
+        "k-case",
+        "K-CASE",
+        "it's",
+        r"a\b",
+        "50%_",
+        "0x41",
+        "X'41'",
+        r#""a \"quoted\" key, too""#,
+    ];
+    let mut requests = tokio::task::JoinSet::new();
+    let barrier = Arc::new(Barrier::new(scopes.len() * keys.len() * apps.len()));
+    for scope in scopes {
+        for key in keys {
+            let req = Req::post(scope, "unused", BODY)
+                .keys(&[key])
+                .header("x-wait-ms", 20_000);
+            for app in &apps {
+                let (app, req, barrier) = (app.clone(), req.clone(), Arc::clone(&barrier));
+                requests.spawn(async move {
+                    barrier.wait().await;
+                    ((scope, key), send(&app, &req).await)
+                });
+            }
+        }
+    }
+    let mut answers = std::collections::HashMap::<_, Vec<_>>::new();
+    while let Some(done) = requests.join_next().await {
+        let (pair, got) = done.expect("request");
+        assert_eq!(got.status, 201, "{pair:?}: {}", got.text());
+        answers.entry(pair).or_default().push(got);
+    }
+    let mut bodies = std::collections::HashSet::new();
+    for (pair, got) in &answers {
+        let executed = got
+            .iter()
+            .filter(|g| g.outcome == Some(Outcome::Executed))
+            .count();
+        assert_eq!(executed, 1, "{pair:?} executed once");
+        assert!(
+            got.iter().all(|g| g.body == got[0].body),
+            "{pair:?}: one answer"
+        );
+        assert!(
+            bodies.insert(got[0].body.clone()),
+            "{pair:?} has a body of its own"
+        );
+    }
+    for scope in scopes {
+        assert_eq!(h.effects(scope).await, keys.len() as i64, "{scope}");
+    }
+    let cold = router_on::<H>(h.another_instance());
+    for ((scope, key), got) in &answers {
+        let req = Req::post(scope, "unused", BODY).keys(&[key]);
+        let replay = send(&cold, &req).await;
+        assert_eq!(
+            replay.outcome,
+            Some(Outcome::Replayed),
+            "{scope:?} {key:?}: {}",
+            replay.text()
+        );
+        assert_eq!(replay.body, got[0].body, "{scope:?} {key:?}");
+        let other = send(&cold, &req.body(r#"{"amount":7,"currency":"JPY"}"#)).await;
+        assert_eq!(other.status, 422, "{scope:?} {key:?}: {}", other.text());
+    }
+    for scope in scopes {
+        assert_eq!(
+            h.effects(scope).await,
+            keys.len() as i64,
+            "{scope}: nothing ran again"
+        );
+    }
+    h.finish().await;
+}
+
 /// §4.1 for a key whose ttl has passed: duplicates of it are answered 409 at once
 /// while the first holds it, as for a new key, and never queue on its row holding
 /// pooled connections: an unrelated request completes meanwhile.

@@ -50,9 +50,9 @@ use cache::{
     forgotten_keys_run_again, kept_responses_end_with_their_key, only_committed_responses_are_kept,
 };
 use edges::{
-    content_type_is_part_of_the_identity, expired_key_duplicates_answer_at_once,
-    inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
-    the_table_holds_legal_requests_and_responses,
+    any_legal_scope_and_key_finds_its_own_row, content_type_is_part_of_the_identity,
+    expired_key_duplicates_answer_at_once, inconsistent_options_are_refused,
+    migrate_upgrades_a_table_of_the_previous_release, the_table_holds_legal_requests_and_responses,
 };
 use harness::Harness;
 #[cfg(feature = "mysql")]
@@ -1220,6 +1220,7 @@ conformance!(
     storms_over_two_instances_execute_each_key_once,
     content_type_is_part_of_the_identity,
     the_table_holds_legal_requests_and_responses,
+    any_legal_scope_and_key_finds_its_own_row,
     expired_key_duplicates_answer_at_once,
     inconsistent_options_are_refused,
     migrate_upgrades_a_table_of_the_previous_release,

@@ -30,9 +30,11 @@
 //!   statement that reads the key and claims it if the lock was granted, the
 //!   write, the record (`hand-written-minimal`, for `--paired` only: without the
 //!   timeouts and the savepoint, the try-lock in the claim). MySQL: in
-//!   the round trip of `BEGIN` the session's timeouts set and the key's
-//!   `GET_LOCK(…, 0)`, the row read after it, the write, the record inserted, the
-//!   lock freed and the timeouts restored with the COMMIT. SQLite: a look-up,
+//!   the round trip of `BEGIN` the session's timeouts set, the key's
+//!   `GET_LOCK(…, 0)` and a check that fails unless it was taken and the key has
+//!   no row, the write, the record inserted, the lock freed and the timeouts
+//!   restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
+//!   row read after `BEGIN` instead of the check). SQLite: a look-up,
 //!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
@@ -257,11 +259,13 @@ async fn floor_postgres(
 }
 
 /// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
-/// timeouts set (their values saved) and the key's named try-lock
-/// (`GET_LOCK(…, 0)`); the row read after it; the write; the record inserted; the
-/// COMMIT with the timeouts' restore and the lock's release. A key found stored
-/// or locked is answered then.
-async fn hand_written_mysql(
+/// timeouts set (their values saved), the key's named try-lock
+/// (`GET_LOCK(…, 0)`) and a `SELECT` that fails unless it was taken and the key
+/// has no row; the write; the record inserted; the COMMIT with the timeouts'
+/// restore and the lock's release. A key found stored or locked is read and
+/// answered then. `ONE_TRIP = false` (`hand-written-previous`): the design before
+/// the check rode on `BEGIN`, the row read after it.
+async fn hand_written_mysql<const ONE_TRIP: bool>(
     State(app): State<App<MySql>>,
     headers: HeaderMap,
     body: Bytes,
@@ -269,22 +273,67 @@ async fn hand_written_mysql(
     by_hand(&headers, &body, |key, new| async move {
         let mut conn = app.pool.acquire().await?;
         let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
+        let check = if ONE_TRIP {
+            format!(
+                "SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
+                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}'); ",
+                hex(key.as_bytes())
+            )
+        } else {
+            String::new()
+        };
         let begin = format!(
             "SET @wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
                  SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30, \
                  @lock = {lock}, @locked = GET_LOCK({lock}, 0); \
-             BEGIN"
+             {check}BEGIN"
         );
         let finish = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
                       @released = RELEASE_LOCK(@lock)";
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
-        let (locked, state, stored): (i64, Option<String>, Option<Vec<u8>>) = sqlx::query_as(
+        let read = sqlx::query_as(
             "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
              LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
         )
-        .bind(&key)
-        .fetch_one(&mut *tx)
-        .await?;
+        .bind(&key);
+        let error = match sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await {
+            Ok(tx) => return mysql_new_key::<ONE_TRIP>(tx, read, finish, &key, new).await,
+            Err(error) => error,
+        };
+        let taken =
+            matches!(&error, sqlx::Error::Database(e) if e.code().as_deref() == Some("22003"));
+        if !(ONE_TRIP && taken) {
+            return Err(error);
+        }
+        let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) =
+            read.fetch_one(&mut *conn).await?;
+        sqlx::raw_sql(AssertSqlSafe(finish))
+            .execute(&mut *conn)
+            .await?;
+        let found = state.map(|state| (state, stored));
+        Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())))
+    })
+    .await
+}
+
+/// MySQL's floor reading whether the lock was taken, and the key's row.
+type MySqlRead<'q> = sqlx::query::QueryAs<
+    'q,
+    MySql,
+    (i64, Option<String>, Option<Vec<u8>>),
+    sqlx::mysql::MySqlArguments,
+>;
+
+/// The rest of MySQL's floor once `BEGIN` went through: the read (without the
+/// check), the write, the record, the COMMIT with `finish`.
+async fn mysql_new_key<const ONE_TRIP: bool>(
+    mut tx: sqlx::Transaction<'_, MySql>,
+    read: MySqlRead<'_>,
+    finish: &'static str,
+    key: &str,
+    new: NewPayment,
+) -> Floor {
+    if !ONE_TRIP {
+        let (locked, state, stored) = read.fetch_one(&mut *tx).await?;
         if locked != 1 || state.is_some() {
             sqlx::raw_sql(AssertSqlSafe(finish))
                 .execute(&mut *tx)
@@ -292,29 +341,28 @@ async fn hand_written_mysql(
             let found = state.map(|state| (state, stored));
             return Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())));
         }
-        let payment = MySql::insert(&mut tx, &key, &new).await?;
-        let out = serde_json::to_vec(&payment).unwrap_or_default();
-        sqlx::query(
-            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-                 fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-             SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
-                 UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-                 UTC_TIMESTAMP(6) \
-             FROM DUAL WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()",
-        )
-        .bind(&key)
-        .bind(&out)
+    }
+    let payment = MySql::insert(&mut tx, key, &new).await?;
+    let out = serde_json::to_vec(&payment).unwrap_or_default();
+    sqlx::query(
+        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
+             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+             UTC_TIMESTAMP(6) \
+         FROM DUAL WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()",
+    )
+    .bind(key)
+    .bind(&out)
+    .execute(&mut *tx)
+    .await?;
+    let commit = format!("COMMIT; {finish}");
+    sqlx::raw_sql(AssertSqlSafe(commit))
         .execute(&mut *tx)
         .await?;
-        let commit = format!("COMMIT; {finish}");
-        sqlx::raw_sql(AssertSqlSafe(commit))
-            .execute(&mut *tx)
-            .await?;
-        // The server committed; sqlx's guard sends a ROLLBACK that does nothing.
-        drop(tx);
-        Ok((StatusCode::CREATED, out))
-    })
-    .await
+    // The server committed; sqlx's guard sends a ROLLBACK that does nothing.
+    drop(tx);
+    Ok((StatusCode::CREATED, out))
 }
 
 /// Lowercase hex of `bytes`, for a literal in a text query.
@@ -422,7 +470,10 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
             serve_on(
                 pool,
                 size as usize,
-                vec![("hand-written", post(hand_written_mysql))],
+                vec![
+                    ("hand-written", post(hand_written_mysql::<true>)),
+                    ("hand-written-previous", post(hand_written_mysql::<false>)),
+                ],
             )
             .await
         }
@@ -1560,12 +1611,15 @@ fn main() {
 /// half the connections, so that whatever the machine does meanwhile lands on
 /// both; `b`'s rate over `a`'s, per round, and each server's CPU time per request.
 /// New keys only (`bare`, `hand-written`, `idem-first`; on PostgreSQL also
-/// `hand-written-minimal`, the floor without the savepoint and the timeouts).
+/// `hand-written-minimal`, the floor without the savepoint and the timeouts; on
+/// MySQL `hand-written-previous`, the floor of the design before the claim's
+/// check rode on `BEGIN`).
 async fn paired(settings: &Settings, target: &Target, pair: &str) {
     let serves = |variant: &str| match variant {
         "bare" => Some(("bare", "bare")),
         "hand-written" => Some(("hand-written", "hand-written")),
         "hand-written-minimal" => Some(("hand-written-minimal", "hand-written-minimal")),
+        "hand-written-previous" => Some(("hand-written-previous", "hand-written-previous")),
         "idem-first" => Some(("idem-first", "idem")),
         _ => None,
     };
@@ -1574,7 +1628,8 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         .and_then(|(a, b)| serves(a).zip(serves(b)))
     else {
         eprintln!(
-            "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL), idem-first: {pair:?}"
+            "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL), \
+             hand-written-previous (MySQL), idem-first: {pair:?}"
         );
         return;
     };

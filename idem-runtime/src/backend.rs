@@ -247,7 +247,8 @@ pub enum Opened<'c, DB: Database> {
 }
 
 impl<DB: Database> Opened<'_, DB> {
-    /// What was found stored; a claim's transaction is dropped (rolled back).
+    /// What was found stored. A claim's transaction is dropped (rolled back); an
+    /// adopted one is not, so the engine matches claims before it calls this.
     pub(crate) fn found(self) -> Option<Found> {
         match self {
             Self::Found(found) => Some(found),

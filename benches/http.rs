@@ -315,7 +315,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
     .await
 }
 
-/// MySQL's floor reading whether the lock was taken, and the key's row.
+/// The read of MySQL's floor: whether the lock was taken, and the key's row.
 type MySqlRead<'q> = sqlx::query::QueryAs<
     'q,
     MySql,

@@ -29,8 +29,8 @@ const LOCK_NAME: &str =
 #[derive(Debug)]
 pub struct Sql {
     lookup: Arc<str>,
-    /// The look at (scope, key) after the claim tried the key's named lock: whether
-    /// it was taken, and whether there is a row.
+    /// The look at (scope, key) in the claim's transaction, after it tried the
+    /// key's named lock: whether it was taken, and whether there is a row.
     open: Arc<str>,
     record: Arc<str>,
     lock_left: Arc<str>,
@@ -39,6 +39,9 @@ pub struct Sql {
     finish: Arc<str>,
     /// `COMMIT`, then `finish`, in one round trip.
     commit: Arc<str>,
+    /// `ROLLBACK`, then `finish`, in one round trip: ends a claim whose check
+    /// failed, in a transaction sqlx does not count.
+    rollback: Arc<str>,
     /// The table, for the check `new_key_check` writes out per key.
     table: Box<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
@@ -134,6 +137,7 @@ impl Driver for MySql {
             )
             .into(),
             commit: format!("COMMIT; {finish}").into(),
+            rollback: format!("ROLLBACK; {finish}").into(),
             table: table.into(),
             finish: finish.into(),
             in_database: format!("COALESCE(DATABASE(), '') = X'{}'", to_hex(database.as_bytes()))
@@ -180,8 +184,8 @@ impl Driver for MySql {
     ) -> Result<Opened<'c, MySql>, sqlx::Error> {
         // A completed key this process kept was answered from its replay cache
         // before this; any other is probably new, so the claim is one round trip,
-        // which begins the transaction only if the key's lock is taken and it has
-        // no row (`new_key_check`).
+        // whose last statement fails unless the key's lock is taken and it has no
+        // row (`new_key_check`).
         let begin = claim_begin(sql, id, claim, Some(&new_key_check(sql, id)));
         match conn.begin_with(AssertSqlSafe(begin)).await {
             // Adopted here, so that the connection is free for the arm below.
@@ -189,11 +193,14 @@ impl Driver for MySql {
             Err(error) if taken(&error) => {}
             Err(error) => return Err(error),
         }
-        // Stored, or its lock busy, and no transaction begun: read what is stored,
-        // then free what the claim took. (A row swept between the check and the
-        // read answers as in flight: the retry claims the key.)
+        // Stored, or its lock busy. The transaction is open, though sqlx does not
+        // count it: what is stored is read in it, then it ends and the claim frees
+        // what it took. (A row swept between the check and the read, at READ
+        // COMMITTED, answers as in flight: the retry claims the key.)
         let (_, found) = read(conn, sql, id).await?;
-        finish(conn, sql).await?;
+        sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
+            .execute(&mut *conn)
+            .await?;
         Ok(found.map_or(Opened::Lost, Opened::Found))
     }
 
@@ -387,15 +394,16 @@ async fn lock_and_read<'c>(
     Ok((tx, locked, found))
 }
 
-/// What the claim takes on the session, `check`, and `BEGIN`, as one text: the
+/// What the claim takes on the session, `BEGIN`, then `check`, as one text: the
 /// session's timeouts set to its lock (their own values saved, for `finish` to
 /// restore), the key's named lock tried, and the claim's times by the database
-/// clock. A `check` that fails ends the text before `BEGIN`.
+/// clock. `BEGIN` comes before any read: it ends a transaction that a session
+/// with `autocommit = 0` may hold open, whose snapshot could predate the lock.
 fn claim_begin(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     let lock_us = claim.lock_ms.saturating_mul(1000);
     let lock = lock_name(sql, id);
-    let check = check.map(|check| format!("{check}; ")).unwrap_or_default();
+    let check = check.map(|check| format!("; {check}")).unwrap_or_default();
     // One SET evaluates every value before it assigns any: the saved timeouts are
     // the session's own, and the lock's name is stored before the lock is tried.
     format!(
@@ -405,19 +413,19 @@ fn claim_begin(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) 
              @idem_lock = {lock}, @idem_locked = GET_LOCK({lock}, 0), \
              @idem_at = UTC_TIMESTAMP(6), \
              @idem_until = UTC_TIMESTAMP(6) + INTERVAL {lock_us} MICROSECOND; \
-         {check}BEGIN"
+         BEGIN{check}"
     )
 }
 
-/// The statement between the claim's `SET` and its `BEGIN` that fails unless the
-/// lock was taken and the key has no row: sqlx's `BEGIN` returns no rows, but its
-/// error comes back. The largest `BIGINT UNSIGNED` plus 1 for a busy lock or a
-/// stored row is error 1690, whatever the `sql_mode` (which `DO` would turn into
-/// a warning). The read comes after the lock, so it sees every row committed
-/// before the lock's last holder let it go. A plain `SELECT` is a consistent
-/// read, where `SET` over the same subquery would lock the index's gap and hold
-/// up other keys' records. Scope and key are written as hex, which cannot end the
-/// literal.
+/// The statement after the claim's `BEGIN` that fails unless the lock was taken
+/// and the key has no row: sqlx's `BEGIN` returns no rows, but its error comes
+/// back. The largest `BIGINT UNSIGNED` plus 1 for a busy lock or a stored row is
+/// error 1690, whatever the `sql_mode` (which `DO` would turn into a warning). It
+/// is the transaction's first read, after the lock: its snapshot holds every row
+/// committed before the lock's last holder let it go. A plain `SELECT` is a
+/// consistent read, where `SET` over the same subquery would lock the index's gap
+/// and hold up other keys' records. Scope and key are written as hex, which
+/// cannot end the literal.
 fn new_key_check(sql: &Sql, id: &Identity<'_>) -> String {
     format!(
         "SELECT 18446744073709551615 + IF(@idem_locked <=> 1, 0, 1) \
@@ -436,9 +444,10 @@ fn taken(error: &sqlx::Error) -> bool {
         .is_some_and(|error| error.number() == 1690)
 }
 
-/// Reads, after the claim tried the key's lock (and so every row committed before
-/// the lock's last holder let it go), whether the lock was taken and what is stored
-/// (in full only when there is a row).
+/// Reads in the claim's transaction, after its lock (the snapshot of its first
+/// read holds every row committed before the lock's last holder let it go),
+/// whether the lock was taken and what is stored (in full only when there is a
+/// row).
 async fn read(
     conn: &mut MySqlConnection,
     sql: &Sql,

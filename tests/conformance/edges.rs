@@ -302,6 +302,45 @@ async fn mysql_claims_take_the_lock_every_release_takes() {
     h.finish().await;
 }
 
+/// MySQL/MariaDB with `autocommit = 0` sessions (an application's choice): a
+/// statement outside a transaction opens one implicitly and nothing ends it, so a
+/// claim that read before its `BEGIN` would read an old snapshot on a pooled
+/// connection and miss a key another instance completed since. Every claim reads
+/// in a transaction it began after the lock: the key is replayed, never run again.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_sessions_without_autocommit_see_every_commit() {
+    let Some(h) = start::<My>().await else { return };
+    let (pool, store) = h.store_with_session("SET SESSION autocommit = 0").await;
+    let manual = router_on::<My>(store);
+    let other = router(&h);
+    for n in 0..3 {
+        // A key the other instance completed, found stored: the claim fails and
+        // reads (and the one connection goes back to the pool).
+        let seen = format!("k-seen-{n}");
+        assert_eq!(
+            send(&other, &Req::post("alice", &seen, BODY)).await.status,
+            201
+        );
+        let replay = send(&manual, &Req::post("alice", &seen, BODY)).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+        // Completed by the other instance after that read.
+        let later = format!("k-later-{n}");
+        let first = send(&other, &Req::post("alice", &later, BODY)).await;
+        assert_eq!(first.status, 201, "{}", first.text());
+        let again = send(&manual, &Req::post("alice", &later, BODY)).await;
+        assert_eq!(again.outcome, Some(Outcome::Replayed), "{}", again.text());
+        assert_eq!(again.body, first.body);
+        assert_eq!(h.effects("alice").await, 2 * (n + 1), "each key ran once");
+        // And a new key on such a session commits.
+        let own = send(&manual, &Req::post("bob", &format!("k-own-{n}"), BODY)).await;
+        assert_eq!(own.outcome, Some(Outcome::Executed), "{}", own.text());
+        assert_eq!(h.effects("bob").await, n + 1);
+    }
+    pool.close().await;
+    h.finish().await;
+}
+
 /// MySQL/MariaDB: the session settings idem changes for a claim (`wait_timeout`,
 /// `innodb_lock_wait_timeout`) come back to the application's own values, not the
 /// server's defaults, after every kind of request.

@@ -275,8 +275,8 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
         let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
         let check = if ONE_TRIP {
             format!(
-                "SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
-                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}'); ",
+                "; SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
+                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}')",
                 hex(key.as_bytes())
             )
         } else {
@@ -286,7 +286,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
             "SET @wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
                  SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30, \
                  @lock = {lock}, @locked = GET_LOCK({lock}, 0); \
-             {check}BEGIN"
+             BEGIN{check}"
         );
         let finish = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
                       @released = RELEASE_LOCK(@lock)";
@@ -304,9 +304,10 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
         if !(ONE_TRIP && taken) {
             return Err(error);
         }
+        // In the transaction the check failed in, which sqlx does not count.
         let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) =
             read.fetch_one(&mut *conn).await?;
-        sqlx::raw_sql(AssertSqlSafe(finish))
+        sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {finish}")))
             .execute(&mut *conn)
             .await?;
         let found = state.map(|state| (state, stored));

@@ -337,6 +337,28 @@ async fn mysql_sessions_without_autocommit_see_every_commit() {
         assert_eq!(own.outcome, Some(Outcome::Executed), "{}", own.text());
         assert_eq!(h.effects("bob").await, n + 1);
     }
+    // A duplicate that waits looks the key up again and again on that session: it
+    // sees the other instance's commit.
+    let key = format!("k-waited-{}", unique_suffix());
+    let first = {
+        let (other, req) = (
+            other.clone(),
+            Req::post("carol", &key, BODY).header("x-gate", &key),
+        );
+        tokio::spawn(async move { send(&other, &req).await })
+    };
+    crate::await_started(&key).await;
+    let waiting = {
+        let req = Req::post("carol", &key, BODY).header("x-wait-ms", 20_000);
+        tokio::spawn(async move { send(&manual, &req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    app::open_gate(&key);
+    let first = first.await.expect("first");
+    let waited = waiting.await.expect("waiting duplicate");
+    assert_eq!(waited.outcome, Some(Outcome::Replayed), "{}", waited.text());
+    assert_eq!(waited.body, first.body);
+    assert_eq!(h.effects("carol").await, 1);
     pool.close().await;
     h.finish().await;
 }

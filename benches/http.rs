@@ -34,7 +34,12 @@
 //!   `GET_LOCK(…, 0)` and a check that fails unless it was taken and the key has
 //!   no row, the write, the record inserted, the lock freed and the timeouts
 //!   restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
-//!   row read after `BEGIN` instead of the check). SQLite: a look-up,
+//!   row read after `BEGIN` instead of the check; `hand-written-minimal`: the
+//!   write and the record alone, a bound on any design; `hand-written-parts`:
+//!   that bound plus the floor's parts named in `IDEM_BENCH_FLOOR_PARTS`, of
+//!   `timeouts`, `lock`, `check`; `hand-written-row`: the claim as the key's row,
+//!   held by the transaction, instead of the named lock and the check; these
+//!   three run only when `--only` or `--paired` names them). SQLite: a look-up,
 //!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
@@ -366,6 +371,157 @@ async fn mysql_new_key<const ONE_TRIP: bool>(
     Ok((StatusCode::CREATED, out))
 }
 
+/// Which of MySQL's floor's parts a bound sends (`hand-written-minimal`: none;
+/// `hand-written-parts`: those named in `IDEM_BENCH_FLOOR_PARTS`, of `timeouts`,
+/// `lock` and `check`), to tell what each one costs.
+#[derive(Clone, Copy, Default)]
+struct FloorParts {
+    timeouts: bool,
+    lock: bool,
+    check: bool,
+}
+
+impl FloorParts {
+    fn from_env() -> Self {
+        let named = std::env::var("IDEM_BENCH_FLOOR_PARTS").unwrap_or_default();
+        let has = |part| named.split(',').any(|named| named.trim() == part);
+        Self {
+            timeouts: has("timeouts"),
+            lock: has("lock"),
+            check: has("check"),
+        }
+    }
+}
+
+/// MySQL's bounds, new keys only: the write and the record between `BEGIN` and
+/// `COMMIT`, plus the floor's `parts`. With none (`hand-written-minimal`) it is the
+/// least any design that records in the handler's transaction sends, though not
+/// one idem could ship: a duplicate waits on the first one's row, then fails on
+/// its key. The check here never fails, so that it costs what the floor's costs
+/// without the lock.
+async fn floor_parts_mysql(
+    app: &App<MySql>,
+    key: String,
+    new: NewPayment,
+    parts: FloorParts,
+) -> Floor {
+    let mut conn = app.pool.acquire().await?;
+    let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
+    let mut set = Vec::new();
+    let mut finish = Vec::new();
+    if parts.timeouts {
+        set.push(
+            "@wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30"
+                .to_owned(),
+        );
+        finish.push("SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait");
+    }
+    if parts.lock {
+        set.push(format!("@lock = {lock}, @locked = GET_LOCK({lock}, 0)"));
+        finish.push("@released = RELEASE_LOCK(@lock)");
+    }
+    let mut begin = if set.is_empty() {
+        String::new()
+    } else {
+        format!("SET {}; ", set.join(", "))
+    };
+    begin.push_str("BEGIN");
+    if parts.check {
+        begin.push_str(&format!(
+            "; SELECT 18446744073709551614 + EXISTS (SELECT 1 FROM idempotency_keys \
+                 WHERE scope = '' AND idempotency_key = X'{}')",
+            hex(key.as_bytes())
+        ));
+    }
+    let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
+    let payment = MySql::insert(&mut tx, &key, &new).await?;
+    let out = serde_json::to_vec(&payment).unwrap_or_default();
+    let guard = if parts.lock {
+        "WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()"
+    } else {
+        ""
+    };
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
+             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+             UTC_TIMESTAMP(6) FROM DUAL {guard}"
+    )))
+    .bind(&key)
+    .bind(&out)
+    .execute(&mut *tx)
+    .await?;
+    if finish.is_empty() {
+        tx.commit().await?;
+    } else {
+        let commit = format!("COMMIT; SET {}", finish.join(", "));
+        sqlx::raw_sql(AssertSqlSafe(commit))
+            .execute(&mut *tx)
+            .await?;
+        // As in the floor: sqlx's guard sends a ROLLBACK that does nothing.
+        drop(tx);
+    }
+    Ok((StatusCode::CREATED, out))
+}
+
+/// MySQL's `hand-written-row` (`--only` and `--paired` only): a design whose
+/// claim is the key's row itself, held by the transaction, where the floor takes
+/// a named lock and reads. In the round trip of `BEGIN`, `wait_timeout` set to the
+/// lock (saved) and the row inserted as `processing` with no lock wait (MariaDB's
+/// `SET STATEMENT`: a duplicate of a key in flight fails at once, not after the
+/// handler's own lock waits); the write; the record as an `UPDATE`; the COMMIT
+/// with the restore. InnoDB frees the row's lock with the transaction, so there is
+/// no lock to release.
+async fn row_mysql(State(app): State<App<MySql>>, headers: HeaderMap, body: Bytes) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        let mut conn = app.pool.acquire().await?;
+        let begin = format!(
+            "SET @wait = @@SESSION.wait_timeout, SESSION wait_timeout = 30; BEGIN; \
+             SET STATEMENT innodb_lock_wait_timeout = 0 FOR \
+             INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, locked_until, expires_at, created_at) \
+             VALUES ('', X'{}', 'processing', 1, 'POST', '/payments', REPEAT(x'00', 32), \
+                 UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, \
+                 UTC_TIMESTAMP(6))",
+            hex(key.as_bytes())
+        );
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
+        let payment = MySql::insert(&mut tx, &key, &new).await?;
+        let out = serde_json::to_vec(&payment).unwrap_or_default();
+        sqlx::query(
+            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', \
+                 body = ?, expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY \
+             WHERE scope = '' AND idempotency_key = ? AND lease = 1",
+        )
+        .bind(&out)
+        .bind(&key)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::raw_sql("COMMIT; SET SESSION wait_timeout = @wait")
+            .execute(&mut *tx)
+            .await?;
+        drop(tx);
+        Ok((StatusCode::CREATED, out))
+    })
+    .await
+}
+
+async fn minimal_mysql(State(app): State<App<MySql>>, headers: HeaderMap, body: Bytes) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        floor_parts_mysql(&app, key, new, FloorParts::default()).await
+    })
+    .await
+}
+
+async fn parts_mysql(State(app): State<App<MySql>>, headers: HeaderMap, body: Bytes) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        floor_parts_mysql(&app, key, new, FloorParts::from_env()).await
+    })
+    .await
+}
+
 /// Lowercase hex of `bytes`, for a literal in a text query.
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -474,6 +630,9 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 vec![
                     ("hand-written", post(hand_written_mysql::<true>)),
                     ("hand-written-previous", post(hand_written_mysql::<false>)),
+                    ("hand-written-minimal", post(minimal_mysql)),
+                    ("hand-written-parts", post(parts_mysql)),
+                    ("hand-written-row", post(row_mysql)),
                 ],
             )
             .await
@@ -1614,13 +1773,16 @@ fn main() {
 /// New keys only (`bare`, `hand-written`, `idem-first`; on PostgreSQL also
 /// `hand-written-minimal`, the floor without the savepoint and the timeouts; on
 /// MySQL `hand-written-previous`, the floor of the design before the claim's
-/// check rode on `BEGIN`).
+/// check rode on `BEGIN`, `hand-written-minimal`, the write and the record
+/// alone, `hand-written-parts` and `hand-written-row`).
 async fn paired(settings: &Settings, target: &Target, pair: &str) {
     let serves = |variant: &str| match variant {
         "bare" => Some(("bare", "bare")),
         "hand-written" => Some(("hand-written", "hand-written")),
         "hand-written-minimal" => Some(("hand-written-minimal", "hand-written-minimal")),
         "hand-written-previous" => Some(("hand-written-previous", "hand-written-previous")),
+        "hand-written-parts" => Some(("hand-written-parts", "hand-written-parts")),
+        "hand-written-row" => Some(("hand-written-row", "hand-written-row")),
         "idem-first" => Some(("idem-first", "idem")),
         _ => None,
     };
@@ -1629,8 +1791,9 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         .and_then(|(a, b)| serves(a).zip(serves(b)))
     else {
         eprintln!(
-            "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL), \
-             hand-written-previous (MySQL), idem-first: {pair:?}"
+            "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL, MySQL), \
+             hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
+             idem-first: {pair:?}"
         );
         return;
     };
@@ -1753,6 +1916,15 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         .and_then(|i| args.get(i + 1))
     {
         let only: Vec<&str> = only.split(',').collect();
+        // Bounds rather than designs: run only when asked for.
+        if only.contains(&"hand-written-minimal") && !matches!(target, Target::Sqlite { .. }) {
+            variants.insert(2, ("hand-written-minimal", "hand-written-minimal"));
+        }
+        for bound in ["hand-written-parts", "hand-written-row"] {
+            if only.contains(&bound) && matches!(target, Target::MySql { .. }) {
+                variants.insert(2, (bound, bound));
+            }
+        }
         variants.retain(|(variant, _)| *variant == "bare" || only.contains(variant));
     }
     // Rounds run every variant in turn, so a slow spell of the machine (a

@@ -28,8 +28,9 @@
 //!   hand behind axum. PostgreSQL: in the round trip of `BEGIN` the transaction's
 //!   timeouts, the key's advisory try-lock and the handler's savepoint, then a
 //!   statement that reads the key and claims it if the lock was granted, the
-//!   write, the record (`hand-written-minimal`, for `--paired` only: without the
-//!   timeouts and the savepoint, the try-lock in the claim). MySQL: in
+//!   write, the record (`hand-written-minimal`, only when `--paired` or `--only`
+//!   names it: without the timeouts and the savepoint, the try-lock in the
+//!   claim). MySQL: in
 //!   the round trip of `BEGIN` the session's timeouts set, the key's
 //!   `GET_LOCK(…, 0)` and a check that fails unless it was taken and the key has
 //!   no row, the write, the record inserted, the lock freed and the timeouts

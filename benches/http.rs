@@ -264,6 +264,25 @@ async fn floor_postgres(
     Ok((StatusCode::CREATED, out))
 }
 
+/// The record of MySQL's floor and bounds: a completed row for the key, its
+/// response body the second parameter.
+macro_rules! mysql_record {
+    () => {
+        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
+             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
+             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+             UTC_TIMESTAMP(6) \
+         FROM DUAL"
+    };
+}
+
+/// The record written only while this session holds the key's named lock.
+const MYSQL_RECORD_LOCKED: &str = concat!(
+    mysql_record!(),
+    " WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()"
+);
+
 /// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
 /// timeouts set (their values saved), the key's named try-lock
 /// (`GET_LOCK(…, 0)`) and a `SELECT` that fails unless it was taken and the key
@@ -351,18 +370,11 @@ async fn mysql_new_key<const ONE_TRIP: bool>(
     }
     let payment = MySql::insert(&mut tx, key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
-    sqlx::query(
-        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
-             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-             UTC_TIMESTAMP(6) \
-         FROM DUAL WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()",
-    )
-    .bind(key)
-    .bind(&out)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(MYSQL_RECORD_LOCKED)
+        .bind(key)
+        .bind(&out)
+        .execute(&mut *tx)
+        .await?;
     let commit = format!("COMMIT; {finish}");
     sqlx::raw_sql(AssertSqlSafe(commit))
         .execute(&mut *tx)
@@ -383,14 +395,18 @@ struct FloorParts {
 }
 
 impl FloorParts {
+    /// Read once per server, not per request.
     fn from_env() -> Self {
-        let named = std::env::var("IDEM_BENCH_FLOOR_PARTS").unwrap_or_default();
-        let has = |part| named.split(',').any(|named| named.trim() == part);
-        Self {
-            timeouts: has("timeouts"),
-            lock: has("lock"),
-            check: has("check"),
-        }
+        static PARTS: std::sync::OnceLock<FloorParts> = std::sync::OnceLock::new();
+        *PARTS.get_or_init(|| {
+            let named = std::env::var("IDEM_BENCH_FLOOR_PARTS").unwrap_or_default();
+            let has = |part| named.split(',').any(|named| named.trim() == part);
+            Self {
+                timeouts: has("timeouts"),
+                lock: has("lock"),
+                check: has("check"),
+            }
+        })
     }
 }
 
@@ -407,7 +423,6 @@ async fn floor_parts_mysql(
     parts: FloorParts,
 ) -> Floor {
     let mut conn = app.pool.acquire().await?;
-    let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
     let mut set = Vec::new();
     let mut finish = Vec::new();
     if parts.timeouts {
@@ -419,6 +434,7 @@ async fn floor_parts_mysql(
         finish.push("SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait");
     }
     if parts.lock {
+        let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
         set.push(format!("@lock = {lock}, @locked = GET_LOCK({lock}, 0)"));
         finish.push("@released = RELEASE_LOCK(@lock)");
     }
@@ -438,22 +454,16 @@ async fn floor_parts_mysql(
     let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
     let payment = MySql::insert(&mut tx, &key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
-    let guard = if parts.lock {
-        "WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()"
+    let record = if parts.lock {
+        MYSQL_RECORD_LOCKED
     } else {
-        ""
+        mysql_record!()
     };
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
-             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-             UTC_TIMESTAMP(6) FROM DUAL {guard}"
-    )))
-    .bind(&key)
-    .bind(&out)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(record)
+        .bind(&key)
+        .bind(&out)
+        .execute(&mut *tx)
+        .await?;
     if finish.is_empty() {
         tx.commit().await?;
     } else {

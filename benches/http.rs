@@ -38,7 +38,8 @@
 //!   row read after `BEGIN` instead of the check; `hand-written-minimal`: the
 //!   write and the record alone, a bound on any design; `hand-written-parts`:
 //!   that bound plus the floor's parts named in `IDEM_BENCH_FLOOR_PARTS`, of
-//!   `timeouts`, `lock`, `check`; `hand-written-row`: the claim as the key's row,
+//!   `timeouts`, `lock`, `check`, and `onetrip` (the record sent as text in the
+//!   COMMIT's round trip); `hand-written-row`: the claim as the key's row,
 //!   held by the transaction, instead of the named lock and the check; these
 //!   three run only when `--only` or `--paired` names them). SQLite: a look-up,
 //!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
@@ -386,12 +387,15 @@ async fn mysql_new_key<const ONE_TRIP: bool>(
 
 /// Which of MySQL's floor's parts a bound sends (`hand-written-minimal`: none;
 /// `hand-written-parts`: those named in `IDEM_BENCH_FLOOR_PARTS`, of `timeouts`,
-/// `lock` and `check`), to tell what each one costs.
+/// `lock` and `check`), to tell what each one costs. `onetrip` changes how the
+/// record goes out: as text with the COMMIT, failing (1690) when it wrote nothing,
+/// one round trip and one command fewer than the floor's.
 #[derive(Clone, Copy, Default)]
 struct FloorParts {
     timeouts: bool,
     lock: bool,
     check: bool,
+    onetrip: bool,
 }
 
 impl FloorParts {
@@ -405,6 +409,7 @@ impl FloorParts {
                 timeouts: has("timeouts"),
                 lock: has("lock"),
                 check: has("check"),
+                onetrip: has("onetrip"),
             }
         })
     }
@@ -459,6 +464,20 @@ async fn floor_parts_mysql(
     } else {
         mysql_record!()
     };
+    if parts.onetrip {
+        // A failed statement ends the text: nothing written, no COMMIT.
+        let record = record
+            .replacen('?', &format!("X'{}'", hex(key.as_bytes())), 1)
+            .replacen('?', &format!("X'{}'", hex(&out)), 1);
+        let mut text = format!("{record}; SELECT 18446744073709551615 + (ROW_COUNT() = 0); COMMIT");
+        if !finish.is_empty() {
+            text.push_str(&format!("; SET {}", finish.join(", ")));
+        }
+        sqlx::raw_sql(AssertSqlSafe(text)).execute(&mut *tx).await?;
+        // As in the floor: sqlx's guard sends a ROLLBACK that does nothing.
+        drop(tx);
+        return Ok((StatusCode::CREATED, out));
+    }
     sqlx::query(record)
         .bind(&key)
         .bind(&out)

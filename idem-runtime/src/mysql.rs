@@ -29,6 +29,8 @@ const LOCK_NAME: &str =
 #[derive(Debug)]
 pub struct Sql {
     lookup: Arc<str>,
+    /// `lookup` up to its `WHERE`, for `idem_lookup` to complete with the key written out.
+    lookup_from: Box<str>,
     /// The look at (scope, key) in the claim's transaction, after it tried the
     /// key's named lock: whether it was taken, and whether there is a row.
     open: Arc<str>,
@@ -77,16 +79,17 @@ impl Driver for MySql {
                 @idem_released = RELEASE_LOCK(@idem_lock)";
         let options = pool.connect_options();
         let database = options.get_database().unwrap_or_default();
+        let lookup_from = format!(
+            "SELECT state, method, path, content_type, fingerprint, \
+                    CAST(status AS SIGNED) AS status, headers, body, \
+                    CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
+                    CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
+                         AS SIGNED) AS ttl_left_ms \
+             FROM {table} WHERE"
+        );
         Sql {
-            lookup: format!(
-                "SELECT state, method, path, content_type, fingerprint, \
-                        CAST(status AS SIGNED) AS status, headers, body, \
-                        CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
-                        CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
-                             AS SIGNED) AS ttl_left_ms \
-                 FROM {table} WHERE scope = ? AND idempotency_key = ?"
-            )
-            .into(),
+            lookup: format!("{lookup_from} scope = ? AND idempotency_key = ?").into(),
+            lookup_from: lookup_from.into(),
             // The transaction's first read, after the lock: its snapshot has every
             // row committed before the lock's last holder let it go. Only whether
             // there is a row: a new key, the common case, needs no more (every
@@ -173,7 +176,16 @@ impl Driver for MySql {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        Found::load::<MySql>(conn, &sql.lookup, id, true).await
+        // Outside any transaction, where a session with `autocommit = 0` opens one
+        // that nothing else would end: the `COMMIT` rides in the same round trip.
+        let text = format!(
+            "{} scope = X'{}' AND idempotency_key = X'{}'; COMMIT",
+            sql.lookup_from,
+            to_hex(id.scope.as_bytes()),
+            to_hex(id.key.as_bytes()),
+        );
+        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
+        rows.first().map(Found::decode).transpose()
     }
 
     async fn idem_open<'c>(
@@ -301,10 +313,14 @@ impl Driver for MySql {
         sql: &Sql,
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
+        // In a transaction of its own, so that a session with `autocommit = 0`
+        // commits it too.
+        let mut tx = conn.begin().await?;
         let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
             .bind(limit)
-            .execute(conn)
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(done.rows_affected())
     }
 
@@ -315,7 +331,10 @@ impl Driver for MySql {
         key: &str,
     ) -> Result<bool, sqlx::Error> {
         let placeholder = |_| "?".to_owned();
-        let done = delete_completed::<MySql>(conn, table, placeholder, scope, key).await?;
+        // As the sweep: committed whatever the session's `autocommit`.
+        let mut tx = conn.begin().await?;
+        let done = delete_completed::<MySql>(&mut tx, table, placeholder, scope, key).await?;
+        tx.commit().await?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -338,7 +357,12 @@ impl Driver for MySql {
                     CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms \
              FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
         );
-        fetch::<MySql>(conn, sql, params).await
+        // In a transaction of its own: a fresh snapshot, which a session with
+        // `autocommit = 0` does not leave open when the connection goes back.
+        let mut tx = conn.begin().await?;
+        let records = fetch::<MySql>(&mut tx, sql, params).await?;
+        tx.commit().await?;
+        Ok(records)
     }
 }
 

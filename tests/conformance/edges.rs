@@ -363,6 +363,61 @@ async fn mysql_sessions_without_autocommit_see_every_commit() {
     h.finish().await;
 }
 
+/// MySQL/MariaDB with `autocommit = 0` sessions: what idem runs outside a claim's
+/// transaction (the look after a lost claim, an operator's look and deletion, the
+/// sweeper) ends the transaction its statement opened. A deletion is committed, not
+/// lost with the session or left holding its rows' locks, and no pooled connection
+/// keeps a snapshot that would hold back InnoDB's purge and the application's next
+/// read.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_sessions_without_autocommit_are_left_without_a_transaction() {
+    let Some(h) = start::<My>().await else { return };
+    let (pool, store) = h.store_with_session("SET SESSION autocommit = 0").await;
+    let manual = router_on::<My>(store.clone());
+    let other = router(&h);
+
+    // A duplicate of a key in flight: its claim fails, then it looks the key up.
+    let held = h.hold_named_lock("alice", "k-busy").await;
+    let busy = send(&manual, &Req::post("alice", "k-busy", BODY)).await;
+    assert_in_flight(&busy);
+    held.release().await;
+    assert_eq!(h.open_transactions().await, 0, "after a lost claim's look");
+
+    // An operator's look and deletion of a completed key.
+    let done = send(&manual, &Req::post("alice", "k-done", BODY)).await;
+    assert_eq!(done.outcome, Some(Outcome::Executed), "{}", done.text());
+    let seen = store.inspect("alice", "k-done").await.expect("inspect");
+    assert_eq!(seen.map(|r| r.state), Some("completed".to_owned()));
+    assert_eq!(h.open_transactions().await, 0, "after an operator's look");
+    assert!(store.forget("alice", "k-done").await.expect("forget"));
+    assert_eq!(h.open_transactions().await, 0, "after a deletion");
+    assert!(
+        h.key_rows("alice")
+            .await
+            .iter()
+            .all(|(key, _)| key != "k-done")
+    );
+    let again = send(&other, &Req::post("alice", "k-done", BODY)).await;
+    assert_eq!(again.outcome, Some(Outcome::Executed), "{}", again.text());
+    assert_eq!(h.effects("alice").await, 2, "forgotten, so run again");
+
+    // The sweeper's deletions.
+    h.insert_expired("old", "done-", 30, true).await;
+    let report = store
+        .sweep(idem::Sweep::new().batch(10))
+        .await
+        .expect("sweep");
+    assert_eq!(report.deleted, 30);
+    assert_eq!(h.open_transactions().await, 0, "after a sweep");
+    assert!(
+        h.key_rows("old").await.is_empty(),
+        "every deletion committed"
+    );
+    pool.close().await;
+    h.finish().await;
+}
+
 /// MySQL/MariaDB: the session settings idem changes for a claim (`wait_timeout`,
 /// `innodb_lock_wait_timeout`) come back to the application's own values, not the
 /// server's defaults, after every kind of request.

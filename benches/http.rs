@@ -32,8 +32,8 @@
 //!   names it: without the timeouts and the savepoint, the try-lock in the
 //!   claim). MySQL: in
 //!   the round trip of `BEGIN` the session's timeouts set, the key's
-//!   `GET_LOCK(…, 0)` and a check that fails unless it was taken and the key has
-//!   no row, the write, the record inserted, the lock freed and the timeouts
+//!   `GET_LOCK(…, 0)` and, before the `BEGIN`, a check that fails unless it was
+//!   taken and the key has no row, the write, the record inserted, the lock freed and the timeouts
 //!   restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
 //!   row read after `BEGIN` instead of the check; `hand-written-minimal`: the
 //!   write and the record alone, a bound on any design; `hand-written-parts`:
@@ -286,8 +286,8 @@ const MYSQL_RECORD_LOCKED: &str = concat!(
 
 /// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
 /// timeouts set (their values saved), the key's named try-lock
-/// (`GET_LOCK(…, 0)`) and a `SELECT` that fails unless it was taken and the key
-/// has no row; the write; the record inserted; the COMMIT with the timeouts'
+/// (`GET_LOCK(…, 0)`), a `COMMIT` and a `SELECT`, before the `BEGIN`, that fails
+/// unless the lock was taken and the key has no row; the write; the record inserted; the COMMIT with the timeouts'
 /// restore and the lock's release. A key found stored or locked is read and
 /// answered then. `ONE_TRIP = false` (`hand-written-previous`): the design before
 /// the check rode on `BEGIN`, the row read after it.
@@ -301,8 +301,8 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
         let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
         let check = if ONE_TRIP {
             format!(
-                "; SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
-                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}')",
+                "COMMIT; SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
+                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}'); ",
                 hex(key.as_bytes())
             )
         } else {
@@ -312,7 +312,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
             "SET @wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
                  SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30, \
                  @lock = {lock}, @locked = GET_LOCK({lock}, 0); \
-             BEGIN{check}"
+             {check}BEGIN"
         );
         let finish = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
                       @released = RELEASE_LOCK(@lock)";
@@ -330,7 +330,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
         if !(ONE_TRIP && taken) {
             return Err(error);
         }
-        // In the transaction the check failed in, which sqlx does not count.
+        // The text stopped at the check, before its `BEGIN`.
         let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) =
             read.fetch_one(&mut *conn).await?;
         sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {finish}")))
@@ -448,14 +448,14 @@ async fn floor_parts_mysql(
     } else {
         format!("SET {}; ", set.join(", "))
     };
-    begin.push_str("BEGIN");
     if parts.check {
         begin.push_str(&format!(
-            "; SELECT 18446744073709551614 + EXISTS (SELECT 1 FROM idempotency_keys \
-                 WHERE scope = '' AND idempotency_key = X'{}')",
+            "COMMIT; SELECT 18446744073709551614 + EXISTS (SELECT 1 FROM idempotency_keys \
+                 WHERE scope = '' AND idempotency_key = X'{}'); ",
             hex(key.as_bytes())
         ));
     }
+    begin.push_str("BEGIN");
     let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
     let payment = MySql::insert(&mut tx, &key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();

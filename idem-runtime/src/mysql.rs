@@ -29,20 +29,21 @@ const LOCK_NAME: &str =
 #[derive(Debug)]
 pub struct Sql {
     lookup: Arc<str>,
-    /// `lookup` up to its `WHERE`, for `idem_lookup` to complete with the key written out.
+    /// `lookup` up to its `WHERE`, for `idem_lookup` to write the key out after.
     lookup_from: Box<str>,
-    /// The look at (scope, key) in the claim's transaction, after it tried the
-    /// key's named lock: whether it was taken, and whether there is a row.
+    /// The look at (scope, key) after the claim tried the key's named lock:
+    /// whether it was taken, and whether there is a row.
     open: Arc<str>,
     record: Arc<str>,
     lock_left: Arc<str>,
-    /// Frees what the claim's `BEGIN` took on the session: the named lock, and the
-    /// session's own timeouts back.
+    /// Frees what the claim took on the session: the named lock, and the session's
+    /// own timeouts back.
     finish: Arc<str>,
     /// `COMMIT`, then `finish`, in one round trip.
     commit: Arc<str>,
-    /// `ROLLBACK`, then `finish`, in one round trip: ends a claim whose check
-    /// failed, in a transaction sqlx does not count.
+    /// `ROLLBACK`, then `finish`, in one round trip: ends a claim that did not
+    /// take the key, and the transaction its reads opened on a session with
+    /// `autocommit = 0`.
     rollback: Arc<str>,
     /// The table, for the check `new_key_check` writes out per key.
     table: Box<str>,
@@ -196,19 +197,20 @@ impl Driver for MySql {
     ) -> Result<Opened<'c, MySql>, sqlx::Error> {
         // A completed key this process kept was answered from its replay cache
         // before this; any other is probably new, so the claim is one round trip,
-        // whose last statement fails unless the key's lock is taken and it has no
-        // row (`new_key_check`).
-        let begin = claim_begin(sql, id, claim, Some(&new_key_check(sql, id)));
-        match conn.begin_with(AssertSqlSafe(begin)).await {
+        // whose check fails unless the key's lock is taken and it has no row
+        // (`new_key_check`), and whose `BEGIN` then opens the handler's transaction.
+        let text = claim_text(sql, id, claim, Some(&new_key_check(sql, id)));
+        match conn.begin_with(AssertSqlSafe(text)).await {
             // Adopted here, so that the connection is free for the arm below.
             Ok(tx) => return Ok(Opened::Adopted(Open::adopt(tx))),
             Err(error) if taken(&error) => {}
             Err(error) => return Err(error),
         }
-        // Stored, or its lock busy. The transaction is open, though sqlx does not
-        // count it: what is stored is read in it, then it ends and the claim frees
-        // what it took. (A row swept between the check and the read, at READ
-        // COMMITTED, answers as in flight: the retry claims the key.)
+        // Stored, or its lock busy: the text stopped at the check, before its
+        // `BEGIN`. What is stored is read, then the claim frees what it took (and
+        // ends the transaction a session with `autocommit = 0` opened for the
+        // reads). (A row swept between the check and the read answers as in flight:
+        // the retry claims the key.)
         let (_, found) = read(conn, sql, id).await?;
         sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
             .execute(&mut *conn)
@@ -224,13 +226,17 @@ impl Driver for MySql {
     ) -> Result<Option<Transaction<'c, MySql>>, sqlx::Error> {
         // A row the engine found expired or abandoned, read again under the lock:
         // whoever took the lock meanwhile may have recorded it since.
-        let (mut tx, locked, found) = lock_and_read(conn, sql, id, claim).await?;
-        let free = found.as_ref().is_none_or(Found::replaceable);
-        if locked && free {
-            return Ok(Some(tx));
+        let text = claim_text(sql, id, claim, None);
+        sqlx::raw_sql(AssertSqlSafe(text))
+            .execute(&mut *conn)
+            .await?;
+        let (locked, found) = read(conn, sql, id).await?;
+        if locked && found.as_ref().is_none_or(Found::replaceable) {
+            return conn.begin().await.map(Some);
         }
-        finish(&mut tx, sql).await?;
-        tx.rollback().await?;
+        sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
+            .execute(&mut *conn)
+            .await?;
         Ok(None)
     }
 
@@ -404,30 +410,25 @@ async fn apply(
     Ok(())
 }
 
-/// Begins the claim's transaction for a row found expired or abandoned, and reads
-/// the key's row again under the lock: whether it was taken, and what is stored.
-async fn lock_and_read<'c>(
-    conn: &'c mut MySqlConnection,
-    sql: &Sql,
-    id: &Identity<'_>,
-    claim: Claim,
-) -> Result<(Transaction<'c, MySql>, bool, Option<Found>), sqlx::Error> {
-    let begin = claim_begin(sql, id, claim, None);
-    let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
-    let (locked, found) = read(&mut tx, sql, id).await?;
-    Ok((tx, locked, found))
-}
-
-/// What the claim takes on the session, `BEGIN`, then `check`, as one text: the
-/// session's timeouts set to its lock (their own values saved, for `finish` to
-/// restore), the key's named lock tried, and the claim's times by the database
-/// clock. `BEGIN` comes before any read: it ends a transaction that a session
-/// with `autocommit = 0` may hold open, whose snapshot could predate the lock.
-fn claim_begin(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -> String {
+/// What the claim takes on the session, as one text: the session's timeouts set
+/// to its lock (their own values saved, for `finish` to restore), the key's named
+/// lock tried and the claim's times by the database clock; a `COMMIT`; then
+/// `check` and a `BEGIN`, when given. The key's row is read only after the lock
+/// and outside the handler's transaction: on its own, a plain `SELECT` is a
+/// consistent read at every isolation level, where inside the transaction
+/// SERIALIZABLE would make it a locking read, whose lock on the index's gap holds
+/// up other keys' records (measured: one waited for minutes, starved by the
+/// checks of the keys after it). The `COMMIT` ends a transaction that a session
+/// with `autocommit = 0` may hold open, whose snapshot could predate the lock;
+/// there, the reads open a transaction of their own, which the `BEGIN` or the
+/// claim's `rollback` ends.
+fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     let lock_us = claim.lock_ms.saturating_mul(1000);
     let lock = lock_name(sql, id);
-    let check = check.map(|check| format!("; {check}")).unwrap_or_default();
+    let then = check
+        .map(|check| format!("; {check}; BEGIN"))
+        .unwrap_or_default();
     // One SET evaluates every value before it assigns any: the saved timeouts are
     // the session's own, and the lock's name is stored before the lock is tried.
     format!(
@@ -437,16 +438,16 @@ fn claim_begin(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) 
              @idem_lock = {lock}, @idem_locked = GET_LOCK({lock}, 0), \
              @idem_at = UTC_TIMESTAMP(6), \
              @idem_until = UTC_TIMESTAMP(6) + INTERVAL {lock_us} MICROSECOND; \
-         BEGIN{check}"
+         COMMIT{then}"
     )
 }
 
-/// The statement after the claim's `BEGIN` that fails unless the lock was taken
-/// and the key has no row: sqlx's `BEGIN` returns no rows, but its error comes
-/// back. The largest `BIGINT UNSIGNED` plus 1 for a busy lock or a stored row is
-/// error 1690, whatever the `sql_mode` (which `DO` would turn into a warning). It
-/// is the transaction's first read, after the lock: its snapshot holds every row
-/// committed before the lock's last holder let it go. A plain `SELECT` is a
+/// The statement of the claim that fails unless the lock was taken and the key
+/// has no row: sqlx's `BEGIN` returns no rows, but its error comes back, and the
+/// text stops there, before its `BEGIN`. The largest `BIGINT UNSIGNED` plus 1 for
+/// a busy lock or a stored row is error 1690, whatever the `sql_mode` (which `DO`
+/// would turn into a warning). It reads after the lock: its snapshot holds every
+/// row committed before the lock's last holder let it go. A plain `SELECT` is a
 /// consistent read, where `SET` over the same subquery would lock the index's gap
 /// and hold up other keys' records. Scope and key are written as hex, which
 /// cannot end the literal.
@@ -468,10 +469,10 @@ fn taken(error: &sqlx::Error) -> bool {
         .is_some_and(|error| error.number() == 1690)
 }
 
-/// Reads in the claim's transaction, after its lock (the snapshot of its first
-/// read holds every row committed before the lock's last holder let it go),
-/// whether the lock was taken and what is stored (in full only when there is a
-/// row).
+/// Reads after the claim's lock, outside the handler's transaction (see
+/// `claim_text`): whether the lock was taken and what is stored (in full only
+/// when there is a row). Only holders of the lock write the row, so between the
+/// two reads it can only have been deleted (swept, or forgotten).
 async fn read(
     conn: &mut MySqlConnection,
     sql: &Sql,
@@ -504,7 +505,7 @@ fn lock_name(sql: &Sql, id: &Identity<'_>) -> String {
     format!("IF({}, 'idem:{name}', {by_server})", sql.in_database)
 }
 
-/// Frees what `lock_and_read` took on the session (see `Sql::finish`).
+/// Frees what `claim_text` took on the session (see `Sql::finish`).
 async fn finish(conn: &mut MySqlConnection, sql: &Sql) -> Result<(), sqlx::Error> {
     sqlx::query(AssertSqlSafe(sql.finish.clone()))
         .execute(conn)

@@ -151,16 +151,22 @@ impl Harness for My {
             .await
             .expect("create database");
         // A CI configuration's isolation level (`IDEM_TEST_MYSQL_ISOLATION`, e.g.
-        // `READ COMMITTED`), as an application would set it on every session.
-        let isolation = std::env::var("IDEM_TEST_MYSQL_ISOLATION").ok();
+        // `READ COMMITTED`) and `sql_mode` (`IDEM_TEST_MYSQL_SQL_MODE`), as an
+        // application would set them on every session.
+        let mut settings = Vec::new();
+        if let Ok(level) = std::env::var("IDEM_TEST_MYSQL_ISOLATION") {
+            settings.push(format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}"));
+        }
+        if let Ok(mode) = std::env::var("IDEM_TEST_MYSQL_SQL_MODE") {
+            settings.push(format!("SET SESSION sql_mode = '{mode}'"));
+        }
         let pool = MySqlPoolOptions::new()
             .max_connections(24)
             .after_connect(move |conn, _| {
-                let isolation = isolation.clone();
+                let settings = settings.join("; ");
                 Box::pin(async move {
-                    if let Some(level) = isolation {
-                        let set = format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}");
-                        sqlx::raw_sql(sqlx::AssertSqlSafe(set))
+                    if !settings.is_empty() {
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
                             .execute(conn)
                             .await?;
                     }

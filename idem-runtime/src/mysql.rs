@@ -91,11 +91,11 @@ impl Driver for MySql {
         Sql {
             lookup: format!("{lookup_from} scope = ? AND idempotency_key = ?").into(),
             lookup_from: lookup_from.into(),
-            // The transaction's first read, after the lock: its snapshot has every
-            // row committed before the lock's last holder let it go. Only whether
-            // there is a row: a new key, the common case, needs no more (every
-            // column costs its description in every answer); `lookup` reads the
-            // rest when there is one, in the same snapshot.
+            // A read after the lock (see `claim_text`): it sees every row committed
+            // before the lock's last holder let it go. Only whether there is a row:
+            // a new key, the common case, needs no more (every column costs its
+            // description in every answer); `lookup` reads the rest when there is
+            // one.
             open: format!(
                 "SELECT CAST(@idem_locked AS SIGNED) AS locked, \
                         CAST(r.scope IS NOT NULL AS SIGNED) AS stored \

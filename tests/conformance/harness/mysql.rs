@@ -10,7 +10,10 @@ use super::*;
 
 pub struct My {
     admin: MySqlPool,
+    /// The application's pool, with the run's session settings; the store's.
     pool: MySqlPool,
+    /// The test database without them, for the harness's own reads and fixtures.
+    plain: MySqlPool,
     store: Idempotency<MySql>,
     database: String,
     _leftover: Leftover,
@@ -73,7 +76,7 @@ impl My {
             seed.update(part.as_bytes());
         }
         let seed: String = seed.finalize().iter().map(|b| format!("{b:02x}")).collect();
-        let mut conn = self.pool.acquire().await.expect("a session");
+        let mut conn = self.plain.acquire().await.expect("a session");
         let name: String = sqlx::query_scalar(
             "SELECT CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40))",
         )
@@ -160,6 +163,11 @@ impl Harness for My {
         if let Ok(mode) = std::env::var("IDEM_TEST_MYSQL_SQL_MODE") {
             settings.push(format!("SET SESSION sql_mode = '{mode}'"));
         }
+        // `IDEM_TEST_MYSQL_AUTOCOMMIT=0`: every statement outside a transaction
+        // opens one, which only a COMMIT, ROLLBACK or BEGIN ends.
+        if let Ok(autocommit) = std::env::var("IDEM_TEST_MYSQL_AUTOCOMMIT") {
+            settings.push(format!("SET SESSION autocommit = {}", autocommit == "1"));
+        }
         let pool = MySqlPoolOptions::new()
             .max_connections(24)
             .after_connect(move |conn, _| {
@@ -173,6 +181,11 @@ impl Harness for My {
                     Ok(())
                 })
             })
+            .connect_with(options.clone().database(&database))
+            .await
+            .expect("connect to test database");
+        let plain = MySqlPoolOptions::new()
+            .max_connections(8)
             .connect_with(options.database(&database))
             .await
             .expect("connect to test database");
@@ -194,6 +207,7 @@ impl Harness for My {
         Some(Self {
             admin,
             pool,
+            plain,
             store,
             database,
             _leftover: leftover,
@@ -222,12 +236,12 @@ impl Harness for My {
     async fn effects(&self, scope: &str) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE scope = ?")
             .bind(scope)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.plain)
             .await
             .expect("count effects")
     }
 
-    dynamic_sql!(sqlx::MySqlConnection, pool, question_marks);
+    dynamic_sql!(sqlx::MySqlConnection, plain, question_marks);
 
     async fn key_rows(&self, scope: &str) -> Vec<(String, KeyRow)> {
         let rows = sqlx::query(
@@ -235,7 +249,7 @@ impl Harness for My {
              FROM idempotency_keys WHERE scope = ? ORDER BY idempotency_key",
         )
         .bind(scope)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.plain)
         .await
         .expect("read keys");
         rows.iter()
@@ -276,7 +290,7 @@ impl Harness for My {
         .bind(method)
         .bind(path)
         .bind(&idem::fingerprint(body)[..])
-        .execute(&self.pool)
+        .execute(&self.plain)
         .await
         .expect("insert stale claim");
     }
@@ -295,7 +309,7 @@ impl Harness for My {
         .bind(scope)
         .bind(prefix)
         .bind(state)
-        .execute(&self.pool)
+        .execute(&self.plain)
         .await
         .expect("insert expired keys");
     }
@@ -316,7 +330,7 @@ impl Harness for My {
         )))
         .bind(&idem::fingerprint(body)[..])
         .bind(&idem::fingerprint(body)[..])
-        .execute(&self.pool)
+        .execute(&self.plain)
         .await
         .expect("legacy rows");
     }
@@ -353,6 +367,7 @@ impl Harness for My {
 
     async fn finish(self) {
         self.pool.close().await;
+        self.plain.close().await;
         self.admin.close().await;
     }
 }

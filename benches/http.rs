@@ -33,8 +33,8 @@
 //!   claim). MySQL: in
 //!   the round trip of `BEGIN` the session's timeouts set, the key's
 //!   `GET_LOCK(…, 0)` and, before the `BEGIN`, a check that fails unless it was
-//!   taken and the key has no row, the write, the record inserted, the lock freed and the timeouts
-//!   restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
+//!   taken and the key has no row, the write, the record inserted, the lock freed
+//!   and the timeouts restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
 //!   row read after `BEGIN` instead of the check; `hand-written-minimal`: the
 //!   write and the record alone, a bound on any design; `hand-written-parts`:
 //!   that bound plus the floor's parts named in `IDEM_BENCH_FLOOR_PARTS`, of
@@ -287,8 +287,8 @@ const MYSQL_RECORD_LOCKED: &str = concat!(
 /// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
 /// timeouts set (their values saved), the key's named try-lock
 /// (`GET_LOCK(…, 0)`), a `COMMIT` and a `SELECT`, before the `BEGIN`, that fails
-/// unless the lock was taken and the key has no row; the write; the record inserted; the COMMIT with the timeouts'
-/// restore and the lock's release. A key found stored or locked is read and
+/// unless the lock was taken and the key has no row; the write; the record
+/// inserted; the COMMIT with the timeouts' restore and the lock's release. A key found stored or locked is read and
 /// answered then. `ONE_TRIP = false` (`hand-written-previous`): the design before
 /// the check rode on `BEGIN`, the row read after it.
 async fn hand_written_mysql<const ONE_TRIP: bool>(

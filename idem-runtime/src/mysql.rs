@@ -179,12 +179,7 @@ impl Driver for MySql {
     ) -> Result<Option<Found>, sqlx::Error> {
         // Outside any transaction, where a session with `autocommit = 0` opens one
         // that nothing else would end: the `COMMIT` rides in the same round trip.
-        let text = format!(
-            "{} scope = X'{}' AND idempotency_key = X'{}'; COMMIT",
-            sql.lookup_from,
-            to_hex(id.scope.as_bytes()),
-            to_hex(id.key.as_bytes()),
-        );
+        let text = format!("{} {}; COMMIT", sql.lookup_from, key_filter(id));
         let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
         rows.first().map(Found::decode).transpose()
     }
@@ -454,8 +449,17 @@ fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -
 fn new_key_check(sql: &Sql, id: &Identity<'_>) -> String {
     format!(
         "SELECT 18446744073709551615 + IF(@idem_locked <=> 1, 0, 1) \
-                + EXISTS (SELECT 1 FROM {} WHERE scope = X'{}' AND idempotency_key = X'{}')",
+                + EXISTS (SELECT 1 FROM {} WHERE {})",
         sql.table,
+        key_filter(id),
+    )
+}
+
+/// `id`'s row as a condition written into a text query: scope and key as hex
+/// literals, which cannot end the literal and compare as bytes.
+fn key_filter(id: &Identity<'_>) -> String {
+    format!(
+        "scope = X'{}' AND idempotency_key = X'{}'",
         to_hex(id.scope.as_bytes()),
         to_hex(id.key.as_bytes()),
     )

@@ -149,6 +149,13 @@ impl Found {
         row.as_ref().map(Self::decode).transpose()
     }
 
+    /// A claim's row that the database committed with the handler's transaction
+    /// before idem recorded its answer (see [`Written::Ended`]): completed, with no
+    /// body stored. Every recorded response has one, empty or not.
+    pub(crate) fn ended(&self) -> bool {
+        self.completed && self.body.is_none()
+    }
+
     /// `expires_at` is still ahead, by the database clock.
     pub(crate) fn fresh(&self) -> bool {
         self.ttl_left_ms > 0
@@ -307,6 +314,32 @@ pub enum Applied {
     HasColumn(&'static str),
 }
 
+/// What a record attempt came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// The response is written into the handler's transaction: commit it.
+    Recorded,
+    /// The claim's lease or lock was lost: roll back.
+    LeaseLost,
+    /// The database had already ended the handler's transaction and committed
+    /// what it held, the claim's row included (a statement that commits
+    /// implicitly, or a `COMMIT` the handler sent). Some of the handler's writes
+    /// may be committed: the key keeps its `transaction-ended` answer and is never
+    /// run again. Nothing is left to roll back.
+    Ended,
+}
+
+impl Written {
+    /// `Recorded` if the claim still `held` the key when written, else `LeaseLost`.
+    pub(crate) fn held(held: bool) -> Self {
+        if held {
+            Self::Recorded
+        } else {
+            Self::LeaseLost
+        }
+    }
+}
+
 /// A response ready to be recorded.
 pub struct Recorded<'a> {
     pub status: i32,
@@ -396,7 +429,10 @@ pub mod sealed {
         ) -> impl Future<Output = Result<Transaction<'_, Self>, sqlx::Error>> + Send + '_;
 
         /// Completes the row inside the handler's transaction, if `claim`'s lease still
-        /// holds it by the database clock. `false`: the lease was lost; roll back.
+        /// holds it by the database clock (see [`Written`]). A backend whose database
+        /// can end a transaction behind the engine's back finds out here, and records
+        /// the answer in a transaction of its own when nothing of the handler's
+        /// committed.
         /// `announce`: the key's signal, for a backend that tells other instances'
         /// waiters when the transaction commits (see [`idem_watch`](Self::idem_watch)).
         #[doc(hidden)]
@@ -407,7 +443,28 @@ pub mod sealed {
             claim: Claim,
             response: Recorded<'c>,
             announce: Option<u64>,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+        ) -> impl Future<Output = Result<Written, sqlx::Error>> + Send + 'c;
+
+        /// Rolls back the handler's transaction, which is not to be recorded. `true`
+        /// when the database had already committed it behind the engine's back (see
+        /// [`Written::Ended`]): the key keeps its `transaction-ended` answer. By
+        /// default the rollback alone.
+        #[doc(hidden)]
+        fn idem_rollback<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            id: &'c Identity<'c>,
+            lease: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c {
+            let _ = (sql, id, lease);
+            async move {
+                <Self::TransactionManager as sqlx_core::transaction::TransactionManager>::rollback(
+                    conn,
+                )
+                .await?;
+                Ok(false)
+            }
+        }
 
         /// Milliseconds left on the lock of whoever holds (scope, key) now, by the
         /// database clock; `None` when nobody visibly holds it. `lock_ms` is the

@@ -18,7 +18,7 @@ use sqlx::pool::PoolConnection;
 use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
-use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded};
+use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded, Written};
 use crate::cache::{Filler, Looked, ReplayCache};
 use crate::key::IdempotencyKey;
 use crate::metrics;
@@ -176,6 +176,11 @@ pub enum Outcome {
     StoreFailed,
     /// The store is shutting down: 503 `shutting-down`, nothing ran or was kept.
     ShuttingDown,
+    /// The database ended the handler's transaction and committed some of its
+    /// writes before the answer was recorded (a statement that commits implicitly,
+    /// or a `COMMIT` the handler sent): 500 `transaction-ended`, which the key
+    /// keeps for its `ttl`; the handler never runs again under it.
+    TransactionEnded,
 }
 
 impl Outcome {
@@ -192,6 +197,7 @@ impl Outcome {
             Self::Refused => "refused",
             Self::StoreFailed => "store_failed",
             Self::ShuttingDown => "shutting_down",
+            Self::TransactionEnded => "transaction_ended",
         }
     }
 }
@@ -578,7 +584,7 @@ impl<DB: Backend> Idempotency<DB> {
                 let announce = waits.then_some(signal);
                 let recording = Instant::now();
                 match DB::idem_record(&mut open, sql, id, claim, recorded, announce).await {
-                    Ok(true) => match DB::idem_commit(&mut open, sql, id).await {
+                    Ok(Written::Recorded) => match DB::idem_commit(&mut open, sql, id).await {
                         Ok(()) => {
                             let conn = open.into_conn();
                             metrics::recorded(recording.elapsed(), endpoint);
@@ -604,16 +610,24 @@ impl<DB: Backend> Idempotency<DB> {
                             (outcome, response, conn)
                         }
                     },
-                    Ok(false) => {
+                    Ok(Written::LeaseLost) => {
                         tracing::warn!("the claim's lease was lost before the record; rolled back");
                         let conn;
                         (conn, clean) = open.rollback().await;
                         (Outcome::Released, self.lease_expired(), conn)
                     }
+                    Ok(Written::Ended) => {
+                        clean = true;
+                        let (outcome, response) = self.ended();
+                        (outcome, response, open.into_conn())
+                    }
                     Err(error) => {
                         let conn;
-                        (conn, clean) = open.rollback().await;
-                        let (outcome, response) = if claimed_at.elapsed() >= lock {
+                        let ended;
+                        (conn, clean, ended) = abort(open, sql, id, lease).await;
+                        let (outcome, response) = if ended {
+                            self.ended()
+                        } else if claimed_at.elapsed() >= lock {
                             // The server ended the session at its lock (PostgreSQL).
                             tracing::warn!(%error, "session ended after the lock passed");
                             (Outcome::Released, self.lease_expired())
@@ -625,9 +639,14 @@ impl<DB: Backend> Idempotency<DB> {
                 }
             }
             ran => {
-                let conn;
-                (conn, clean) = open.rollback().await;
-                (Outcome::Released, self.failed(ran), conn)
+                let (conn, ended);
+                (conn, clean, ended) = abort(open, sql, id, lease).await;
+                let (outcome, response) = if ended {
+                    self.ended()
+                } else {
+                    (Outcome::Released, self.failed(ran))
+                };
+                (outcome, response, conn)
             }
         };
         if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
@@ -773,7 +792,12 @@ impl<DB: Backend> Idempotency<DB> {
                 self.problem(Problem::PayloadMismatch, &detail),
             );
         }
-        if found.completed {
+        if found.ended() {
+            let ended = self.transaction_ended();
+            let headers = encode_headers(ended.headers());
+            let response = replay(ended.status().as_u16().into(), &headers, ended.into_body());
+            Decision::Answer(Outcome::Replayed, response)
+        } else if found.completed {
             let response = replay(
                 found.status.unwrap_or(500),
                 found.headers.as_deref().unwrap_or_default(),
@@ -824,6 +848,25 @@ impl<DB: Backend> Idempotency<DB> {
         let detail = "this server is shutting down; nothing of this request was kept: \
                       retry with the same key";
         self.problem(Problem::ShuttingDown, detail)
+    }
+
+    /// 500 `transaction-ended`: what a key keeps once the database committed its
+    /// handler's transaction behind the engine's back (see `Written::Ended`).
+    fn transaction_ended(&self) -> Response<Bytes> {
+        let detail = "the database ended this request's transaction before its answer was \
+                      recorded, and committed some of its writes (a statement that commits \
+                      implicitly, or a COMMIT sent by the handler): it will not run again \
+                      under this key, and what it wrote needs reconciling";
+        self.problem(Problem::TransactionEnded, detail)
+    }
+
+    /// The executor's own answer once its key keeps `transaction-ended`.
+    fn ended(&self) -> (Outcome, Response<Bytes>) {
+        tracing::error!(
+            "the database ended the handler's transaction behind idem's back and committed \
+             some of it; the key keeps 500 transaction-ended (docs/deployment.md)"
+        );
+        (Outcome::TransactionEnded, self.transaction_ended())
     }
 
     fn lease_expired(&self) -> Response<Bytes> {
@@ -968,6 +1011,24 @@ where
     match tokio::time::timeout_at(deadline, back).await {
         Ok(Ok(open)) => (Ran::Escaped, Some(open)),
         _ => (Ran::Escaped, None),
+    }
+}
+
+/// Rolls back a claim's transaction that is not to be recorded: the connection,
+/// whether it is clean, and whether the database had committed the transaction
+/// behind the engine's back (the key then keeps `transaction-ended`).
+async fn abort<DB: Backend>(
+    mut open: Open<DB>,
+    sql: &DB::IdemSql,
+    id: &Identity<'_>,
+    lease: i64,
+) -> (PoolConnection<DB>, bool, bool) {
+    match DB::idem_rollback(&mut open, sql, id, lease).await {
+        Ok(ended) => (open.into_conn(), true, ended),
+        Err(error) => {
+            tracing::warn!(%error, "rollback failed");
+            (open.into_conn(), false, false)
+        }
     }
 }
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use sha2::{Digest as _, Sha256};
 use sqlx::mysql::MySqlDatabaseError;
-use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Transaction};
+use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row as _, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, sealed::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::key::to_hex;
@@ -25,27 +25,30 @@ use crate::tx::Open;
 const LOCK_NAME: &str =
     "CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40))";
 
+/// What a row written over an expired or abandoned one of the same key sets.
+const REPLACE_ALL: &str = "state = VALUES(state), lease = VALUES(lease), \
+        method = VALUES(method), path = VALUES(path), fingerprint = VALUES(fingerprint), \
+        content_type = VALUES(content_type), status = VALUES(status), \
+        headers = VALUES(headers), body = VALUES(body), locked_until = VALUES(locked_until), \
+        expires_at = VALUES(expires_at), created_at = VALUES(created_at)";
+
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
-    lookup: Arc<str>,
-    /// `lookup` up to its `WHERE`, for `idem_lookup` to write the key out after.
-    lookup_from: Box<str>,
-    /// The look at (scope, key) after the claim tried the key's named lock:
-    /// whether it was taken, and whether there is a row.
-    open: Arc<str>,
+    /// The columns a lookup selects, in the shape `Found::decode` reads.
+    columns: Box<str>,
+    /// Completes the claim's row (see `claim_row`) in the handler's transaction.
     record: Arc<str>,
+    /// Writes the record whole, for a transaction of its own (see `idem_record`).
+    record_alone: Arc<str>,
     lock_left: Arc<str>,
-    /// Frees what the claim took on the session: the named lock, and the session's
-    /// own timeouts back.
-    finish: Arc<str>,
-    /// `COMMIT`, then `finish`, in one round trip.
+    /// `COMMIT`, then what frees what the claim took on the session: the named
+    /// lock, and the session's own `autocommit`, timeouts and read-write mode back.
     commit: Arc<str>,
-    /// `ROLLBACK`, then `finish`, in one round trip: ends a claim that did not
-    /// take the key, and the transaction its reads opened on a session with
-    /// `autocommit = 0`.
+    /// `ROLLBACK`, then the same: ends a claim that did not take the key, or whose
+    /// transaction was not recorded, and the transaction its reads opened.
     rollback: Arc<str>,
-    /// The table, for the check `new_key_check` writes out per key.
+    /// The table, for the statements written out per key.
     table: Box<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
@@ -55,6 +58,34 @@ pub struct Sql {
     in_database: Box<str>,
     sweep: Arc<str>,
 }
+
+/// Makes the next transaction, and it alone, read committed rows only. idem's
+/// reads of the key table run outside the handler's transaction, each a
+/// transaction of its own: under a session at READ UNCOMMITTED they would see a
+/// claim's row, or its record, before it commits (or when it never does).
+const READ_COMMITTED_ONCE: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// A transaction of idem's own outside a claim (sweep, operator's look and
+/// deletion) at READ COMMITTED: its reads do not lock (SERIALIZABLE would make them
+/// wait for a claim's row, which an executor holds locked until it answers), its
+/// deletions lock no gaps, and it sees committed rows only. The `COMMIT` ends the
+/// transaction a session with `autocommit = 0` may hold, in which the isolation
+/// could not be set.
+const BEGIN_READ_COMMITTED: &str = "COMMIT; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN";
+
+/// Once the handler's transaction has begun: every later transaction of the
+/// session is read-only until `finish`. A statement that commits implicitly
+/// (DDL, `LOCK TABLES`, a `COMMIT` or `BEGIN` the handler sends) ends the
+/// handler's transaction; the writes after it then fail (error 1792) instead of
+/// committing on their own, and so does the record, which is how idem learns of
+/// it. A transaction the database rolls back (a deadlock) leaves the session
+/// read-write until its next explicit end; what the handler writes after it
+/// waits uncommitted instead, since the claim turned `autocommit` off, and is
+/// rolled back.
+const LATER_READ_ONLY: &str = "SET SESSION TRANSACTION READ ONLY";
+
+/// MySQL's "Cannot execute statement in a READ ONLY transaction".
+const READ_ONLY_TRANSACTION: u16 = 1792;
 
 impl Driver for MySql {
     type IdemSql = Sql;
@@ -73,55 +104,41 @@ impl Driver for MySql {
     }
 
     fn idem_sql(table: &str, _layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
-        let finish = "SET SESSION \
+        // The session's own settings back. Setting `autocommit` back to 1 would
+        // commit an open transaction: `finish` comes after the handler's ended.
+        let restore = "SET SESSION TRANSACTION READ WRITE; SET SESSION \
+                autocommit = COALESCE(@idem_autocommit, @@SESSION.autocommit), \
                 wait_timeout = CAST(COALESCE(@idem_wait_timeout, @@SESSION.wait_timeout) AS UNSIGNED), \
                 innodb_lock_wait_timeout = CAST(COALESCE(@idem_lock_wait_timeout, \
                     @@SESSION.innodb_lock_wait_timeout) AS UNSIGNED), \
                 @idem_released = RELEASE_LOCK(@idem_lock)";
         let options = pool.connect_options();
         let database = options.get_database().unwrap_or_default();
-        let lookup_from = format!(
-            "SELECT state, method, path, content_type, fingerprint, \
-                    CAST(status AS SIGNED) AS status, headers, body, \
-                    CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
-                    CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
-                         AS SIGNED) AS ttl_left_ms \
-             FROM {table} WHERE"
-        );
+        // Whether the claim still holds the key: its named lock, before the lock's
+        // end by the database clock.
+        let held = "@idem_until > UTC_TIMESTAMP(6) AND IS_USED_LOCK(@idem_lock) = CONNECTION_ID()";
         Sql {
-            lookup: format!("{lookup_from} scope = ? AND idempotency_key = ?").into(),
-            lookup_from: lookup_from.into(),
-            // A read after the lock (see `claim_text`): it sees every row committed
-            // before the lock's last holder let it go. Only whether there is a row:
-            // a new key, the common case, needs no more (every column costs its
-            // description in every answer); `lookup` reads the rest when there is
-            // one.
-            open: format!(
-                "SELECT CAST(@idem_locked AS SIGNED) AS locked, \
-                        CAST(r.scope IS NOT NULL AS SIGNED) AS stored \
-                 FROM (SELECT 1 AS one) AS o \
-                 LEFT JOIN {table} AS r ON r.scope = ? AND r.idempotency_key = ?"
+            columns: "state, method, path, content_type, fingerprint, \
+                      CAST(status AS SIGNED) AS status, headers, body, \
+                      CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
+                      CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
+                           AS SIGNED) AS ttl_left_ms"
+                .into(),
+            record: format!(
+                "UPDATE {table} SET status = ?, headers = ?, body = ? \
+                 WHERE scope = ? AND idempotency_key = ? AND lease = ? AND {held}"
             )
             .into(),
             // Only while this session holds the key's named lock, taken before the
-            // row was read (so the key is free, or its row expired or abandoned),
-            // and only before the lock's end by the database clock. Also what records
-            // a handler's answer after a deadlock ended its transaction: the
-            // statements it ran after that committed one by one, and so does this.
-            record: format!(
+            // row was read (so the key is free, or its row expired or abandoned).
+            record_alone: format!(
                 "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
                         fingerprint, content_type, status, headers, body, locked_until, \
                         expires_at, created_at) \
                  SELECT ?, ?, 'completed', ?, ?, ?, ?, ?, ?, ?, ?, @idem_until, \
                         @idem_at + INTERVAL (? * 1000) MICROSECOND, @idem_at \
-                 FROM DUAL \
-                 WHERE @idem_until > UTC_TIMESTAMP(6) AND IS_USED_LOCK(@idem_lock) = CONNECTION_ID() \
-                 ON DUPLICATE KEY UPDATE state = 'completed', lease = VALUES(lease), \
-                        method = VALUES(method), path = VALUES(path), \
-                        fingerprint = VALUES(fingerprint), content_type = VALUES(content_type), \
-                        status = VALUES(status), headers = VALUES(headers), body = VALUES(body), \
-                        locked_until = VALUES(locked_until), expires_at = VALUES(expires_at), \
-                        created_at = VALUES(created_at)"
+                 FROM DUAL WHERE {held} \
+                 ON DUPLICATE KEY UPDATE {REPLACE_ALL}"
             )
             .into(),
             // The holder's claim is not visible, but its named lock is, and the start
@@ -140,10 +157,9 @@ impl Driver for MySql {
                  ORDER BY expires_at LIMIT ?"
             )
             .into(),
-            commit: format!("COMMIT; {finish}").into(),
-            rollback: format!("ROLLBACK; {finish}").into(),
+            commit: format!("COMMIT; {restore}").into(),
+            rollback: format!("ROLLBACK; {restore}").into(),
             table: table.into(),
-            finish: finish.into(),
             in_database: format!("COALESCE(DATABASE(), '') = X'{}'", to_hex(database.as_bytes()))
                 .into(),
             database: database.into(),
@@ -179,7 +195,12 @@ impl Driver for MySql {
     ) -> Result<Option<Found>, sqlx::Error> {
         // Outside any transaction, where a session with `autocommit = 0` opens one
         // that nothing else would end: the `COMMIT` rides in the same round trip.
-        let text = format!("{} {}; COMMIT", sql.lookup_from, key_filter(id));
+        let text = format!(
+            "{READ_COMMITTED_ONCE}; SELECT {} FROM {} WHERE {}; COMMIT",
+            sql.columns,
+            sql.table,
+            key_filter(id)
+        );
         let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
         rows.first().map(Found::decode).transpose()
     }
@@ -227,7 +248,8 @@ impl Driver for MySql {
             .await?;
         let (locked, found) = read(conn, sql, id).await?;
         if locked && found.as_ref().is_none_or(Found::replaceable) {
-            return conn.begin().await.map(Some);
+            let text = begin_text(sql, id, claim);
+            return conn.begin_with(AssertSqlSafe(text)).await.map(Some);
         }
         sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
             .execute(&mut *conn)
@@ -246,9 +268,36 @@ impl Driver for MySql {
         claim: Claim,
         response: Recorded<'c>,
         _announce: Option<u64>,
-    ) -> Result<bool, sqlx::Error> {
+    ) -> Result<Written, sqlx::Error> {
         let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-        let done = sqlx::query(AssertSqlSafe(sql.record.clone()))
+        let completed = sqlx::query(AssertSqlSafe(sql.record.clone()))
+            .bind(status)
+            .bind(response.headers)
+            .bind(response.body)
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(claim.lease)
+            .execute(&mut *conn)
+            .await;
+        match completed {
+            Ok(done) if done.rows_affected() > 0 => return Ok(Written::Recorded),
+            // The claim's row is gone, or its lock: the transaction may have ended.
+            Ok(_) => {}
+            Err(error) if read_only(&error) => {}
+            Err(error) => return Err(error),
+        }
+        if ended(conn, sql, id, claim.lease).await? {
+            return Ok(Written::Ended);
+        }
+        // The database rolled the handler's transaction back (a deadlock, a lock
+        // wait timeout with `innodb_rollback_on_timeout`, a `ROLLBACK` sent by the
+        // handler): what the handler wrote after that waited in a transaction of
+        // its own, since the claim turned `autocommit` off, and `ended` rolled it
+        // back. Nothing of the handler's is left, and its answer is recorded alone,
+        // as PostgreSQL records an answer given after an error voided the
+        // transaction, if the claim still holds the key.
+        <MySql as sqlx::Database>::TransactionManager::begin(conn, None).await?;
+        let done = sqlx::query(AssertSqlSafe(sql.record_alone.clone()))
             .bind(id.scope)
             .bind(id.key)
             .bind(claim.lease)
@@ -260,10 +309,19 @@ impl Driver for MySql {
             .bind(response.headers)
             .bind(response.body)
             .bind(response.ttl_ms)
-            .execute(conn)
+            .execute(&mut *conn)
             .await?;
         // One row inserted, or an expired one replaced (two, as MySQL counts it).
-        Ok(done.rows_affected() > 0)
+        Ok(Written::held(done.rows_affected() > 0))
+    }
+
+    async fn idem_rollback<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Sql,
+        id: &'c Identity<'c>,
+        lease: i64,
+    ) -> Result<bool, sqlx::Error> {
+        ended(conn, sql, id, lease).await
     }
 
     async fn idem_lock_left(
@@ -316,7 +374,7 @@ impl Driver for MySql {
     ) -> Result<u64, sqlx::Error> {
         // In a transaction of its own, so that a session with `autocommit = 0`
         // commits it too.
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
         let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
             .bind(limit)
             .execute(&mut *tx)
@@ -333,7 +391,7 @@ impl Driver for MySql {
     ) -> Result<bool, sqlx::Error> {
         let placeholder = |_| "?".to_owned();
         // As the sweep: committed whatever the session's `autocommit`.
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
         let done = delete_completed::<MySql>(&mut tx, table, placeholder, scope, key).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)
@@ -360,7 +418,7 @@ impl Driver for MySql {
         );
         // In a transaction of its own: a fresh snapshot, which a session with
         // `autocommit = 0` does not leave open when the connection goes back.
-        let mut tx = conn.begin().await?;
+        let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
         let records = fetch::<MySql>(&mut tx, sql, params).await?;
         tx.commit().await?;
         Ok(records)
@@ -406,10 +464,11 @@ async fn apply(
 }
 
 /// What the claim takes on the session, as one text: the session's timeouts set
-/// to its lock (their own values saved, for `finish` to restore), the key's named
+/// to its lock and `autocommit` to 0 (their own values saved, for `finish` to
+/// restore), the key's named
 /// lock tried and the claim's times by the database clock; a `COMMIT`; then
-/// `check` and a `BEGIN`, when given. The key's row is read only after the lock
-/// and outside the handler's transaction: on its own, a plain `SELECT` is a
+/// `check` and `begin_text`, when given. The key's row is read only after the
+/// lock and outside the handler's transaction: on its own, a plain `SELECT` is a
 /// consistent read at every isolation level, where inside the transaction
 /// SERIALIZABLE would make it a locking read, whose lock on the index's gap holds
 /// up other keys' records (measured: one waited for minutes, starved by the
@@ -422,19 +481,92 @@ fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -
     let lock_us = claim.lock_ms.saturating_mul(1000);
     let lock = lock_name(sql, id);
     let then = check
-        .map(|check| format!("; {check}; BEGIN"))
+        .map(|check| {
+            format!(
+                "; {READ_COMMITTED_ONCE}; {check}; {}",
+                begin_text(sql, id, claim)
+            )
+        })
         .unwrap_or_default();
     // One SET evaluates every value before it assigns any: the saved timeouts are
     // the session's own, and the lock's name is stored before the lock is tried.
     format!(
         "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
              @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout, \
+             @idem_autocommit = @@SESSION.autocommit, SESSION autocommit = 0, \
              SESSION wait_timeout = {wait_secs}, SESSION innodb_lock_wait_timeout = {wait_secs}, \
              @idem_lock = {lock}, @idem_locked = GET_LOCK({lock}, 0), \
              @idem_at = UTC_TIMESTAMP(6), \
              @idem_until = UTC_TIMESTAMP(6) + INTERVAL {lock_us} MICROSECOND; \
          COMMIT{then}"
     )
+}
+
+/// Opens the handler's transaction with the claim's row in it: completed, with no
+/// body (what `Found::ended` recognizes), never seen by another session unless the
+/// database commits the transaction before idem records the answer over it. Then
+/// every later transaction of the session is made read-only (`LATER_READ_ONLY`).
+/// So a handler whose transaction was committed behind idem's back leaves a row
+/// that answers `transaction-ended` for the key's ttl, even if its process dies
+/// before it answers: the key is never run twice.
+fn begin_text(sql: &Sql, id: &Identity<'_>, claim: Claim) -> String {
+    let ttl_us = claim.ttl_ms.saturating_mul(1000);
+    format!(
+        "BEGIN; \
+         INSERT INTO {} (scope, idempotency_key, state, lease, method, path, fingerprint, \
+                content_type, status, headers, body, locked_until, expires_at, created_at) \
+         VALUES (X'{}', X'{}', 'completed', {}, X'{}', X'{}', X'{}', X'{}', 500, NULL, NULL, \
+                @idem_until, @idem_at + INTERVAL {ttl_us} MICROSECOND, @idem_at) \
+         ON DUPLICATE KEY UPDATE {REPLACE_ALL}; \
+         {LATER_READ_ONLY}",
+        sql.table,
+        to_hex(id.scope.as_bytes()),
+        to_hex(id.key.as_bytes()),
+        claim.lease,
+        to_hex(id.method.as_bytes()),
+        to_hex(id.path.as_bytes()),
+        to_hex(id.fingerprint),
+        to_hex(id.content_type.as_bytes()),
+    )
+}
+
+/// Rolls back the handler's transaction and reports whether the database had
+/// committed it already, the claim's row included (`begin_text`). The session is
+/// read-write again, and holds no table lock a `LOCK TABLES` of the handler's
+/// took. sqlx still counts the transaction: its `ROLLBACK` does nothing now and
+/// goes out with the connection's next statement.
+async fn ended(
+    conn: &mut MySqlConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+    lease: i64,
+) -> Result<bool, sqlx::Error> {
+    let text = format!(
+        "ROLLBACK; SET SESSION TRANSACTION READ WRITE; UNLOCK TABLES; {READ_COMMITTED_ONCE}; \
+         SELECT COUNT(*) FROM {} WHERE {} AND lease = {lease} AND state = 'completed' \
+                AND body IS NULL; \
+         COMMIT",
+        sql.table,
+        key_filter(id),
+    );
+    let rows = sqlx::raw_sql(AssertSqlSafe(text))
+        .fetch_all(&mut *conn)
+        .await?;
+    <MySql as sqlx::Database>::TransactionManager::start_rollback(conn);
+    let kept: i64 = match rows.first() {
+        Some(row) => row.try_get(0)?,
+        None => 0,
+    };
+    Ok(kept > 0)
+}
+
+/// Whether `error` is a write refused because the transaction is read-only: the
+/// handler's had ended before it (see `LATER_READ_ONLY`).
+fn read_only(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.try_downcast_ref::<MySqlDatabaseError>())
+        .is_some_and(|error| error.number() == READ_ONLY_TRANSACTION)
 }
 
 /// The statement of the claim that fails unless the lock was taken and the key
@@ -474,21 +606,34 @@ fn taken(error: &sqlx::Error) -> bool {
 }
 
 /// Reads after the claim's lock, outside the handler's transaction (see
-/// `claim_text`): whether the lock was taken and what is stored (in full only
-/// when there is a row). Only holders of the lock write the row, so between the
-/// two reads it can only have been deleted (swept, or forgotten).
+/// `claim_text`), in one statement: whether the lock was taken and what is
+/// stored, committed rows only (`READ_COMMITTED_ONCE`). On a session with
+/// `autocommit = 0` the check before it may have opened a transaction, which the
+/// `COMMIT` ends: a transaction's isolation cannot be set while one is open.
 async fn read(
     conn: &mut MySqlConnection,
     sql: &Sql,
     id: &Identity<'_>,
 ) -> Result<(bool, Option<Found>), sqlx::Error> {
-    let (locked, stored): (Option<i64>, i64) = sqlx::query_as(AssertSqlSafe(sql.open.clone()))
-        .bind(id.scope)
-        .bind(id.key)
-        .fetch_one(&mut *conn)
+    let text = format!(
+        "COMMIT; {READ_COMMITTED_ONCE}; \
+         SELECT CAST(@idem_locked AS SIGNED) AS locked, \
+                CAST(scope IS NOT NULL AS SIGNED) AS stored, {} \
+         FROM (SELECT 1 AS one) AS o LEFT JOIN {} ON {}",
+        sql.columns,
+        sql.table,
+        key_filter(id),
+    );
+    let rows = sqlx::raw_sql(AssertSqlSafe(text))
+        .fetch_all(&mut *conn)
         .await?;
+    let Some(row) = rows.first() else {
+        return Err(sqlx::Error::RowNotFound);
+    };
+    let locked: Option<i64> = row.try_get("locked")?;
+    let stored: i64 = row.try_get("stored")?;
     let found = if stored == 1 {
-        Found::load::<MySql>(conn, &sql.lookup, id, true).await?
+        Some(Found::decode(row)?)
     } else {
         None
     };
@@ -509,9 +654,11 @@ fn lock_name(sql: &Sql, id: &Identity<'_>) -> String {
     format!("IF({}, 'idem:{name}', {by_server})", sql.in_database)
 }
 
-/// Frees what `claim_text` took on the session (see `Sql::finish`).
+/// Frees what `claim_text` took on the session (see `Sql::rollback`). Whatever
+/// transaction is still open is rolled back first, so that nothing the claim left
+/// in it commits when `autocommit` comes back.
 async fn finish(conn: &mut MySqlConnection, sql: &Sql) -> Result<(), sqlx::Error> {
-    sqlx::query(AssertSqlSafe(sql.finish.clone()))
+    sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
         .execute(conn)
         .await?;
     Ok(())

@@ -13,7 +13,7 @@ use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, look_then_claim,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, look_then_claim,
     sealed::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
@@ -358,8 +358,8 @@ impl Driver for Postgres {
         claim: Claim,
         response: Recorded<'c>,
         announce: Option<u64>,
-    ) -> Result<bool, sqlx::Error> {
-        match record(conn, sql, id, claim.lease, &response, announce).await {
+    ) -> Result<Written, sqlx::Error> {
+        let recorded = match record(conn, sql, id, claim.lease, &response, announce).await {
             // The handler caught a database error and answered anyway: what it
             // wrote is void, as PostgreSQL voids an aborted transaction's writes.
             // The claim, taken after the savepoint, went with it, but the key's
@@ -370,12 +370,13 @@ impl Driver for Postgres {
                     .execute(&mut *conn)
                     .await?;
                 if !sql.take(conn, id, claim).await? {
-                    return Ok(false);
+                    return Ok(Written::LeaseLost);
                 }
                 record(conn, sql, id, claim.lease, &response, announce).await
             }
             recorded => recorded,
-        }
+        };
+        recorded.map(Written::held)
     }
 
     async fn idem_lock_left(

@@ -46,6 +46,13 @@ pub enum Problem {
     ResponseTooLarge,
     /// 500: the handler panicked or its response body failed; its work was rolled back.
     HandlerFailed,
+    /// 500: the database ended the handler's transaction before idem could record
+    /// its answer, and committed some of its writes (on MySQL and MariaDB: a
+    /// statement that commits implicitly, such as DDL or `LOCK TABLES`, or a
+    /// `COMMIT` the handler sent). The key keeps this answer for its `ttl` and the
+    /// handler never runs again under it: what committed needs an operator to
+    /// reconcile, never a second execution.
+    TransactionEnded,
     /// 500: the endpoint's [`Options`](crate::Options) are inconsistent (`lock` not
     /// shorter than `ttl`): nothing was run or stored. The `#[idempotent]`
     /// attribute refuses such options at compile time; this catches options built
@@ -70,9 +77,10 @@ impl Problem {
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::ResponseTooLarge | Self::HandlerFailed | Self::InvalidOptions => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::ResponseTooLarge
+            | Self::HandlerFailed
+            | Self::TransactionEnded
+            | Self::InvalidOptions => StatusCode::INTERNAL_SERVER_ERROR,
             Self::LeaseExpired | Self::StoreUnavailable | Self::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -91,6 +99,7 @@ impl Problem {
             Self::LeaseExpired => "lease-expired",
             Self::ResponseTooLarge => "response-too-large",
             Self::HandlerFailed => "handler-failed",
+            Self::TransactionEnded => "transaction-ended",
             Self::InvalidOptions => "invalid-options",
             Self::StoreUnavailable => "store-unavailable",
             Self::ShuttingDown => "shutting-down",
@@ -109,6 +118,7 @@ impl Problem {
             Self::LeaseExpired => "Request ran past its lock and was rolled back",
             Self::ResponseTooLarge => "Response too large to store",
             Self::HandlerFailed => "Request handler failed",
+            Self::TransactionEnded => "Request's transaction ended before its answer was recorded",
             Self::InvalidOptions => "Endpoint misconfigured",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::ShuttingDown => "Server shutting down",

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Recorded, sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, sealed::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 
@@ -172,7 +172,7 @@ impl Driver for Sqlite {
         claim: Claim,
         response: Recorded<'c>,
         _announce: Option<u64>,
-    ) -> Result<bool, sqlx::Error> {
+    ) -> Result<Written, sqlx::Error> {
         let record = || {
             sqlx::query(AssertSqlSafe(sql.record.clone()))
                 .bind(id.scope)
@@ -194,7 +194,7 @@ impl Driver for Sqlite {
             }
             done => done?,
         };
-        Ok(done.rows_affected() == 1)
+        Ok(Written::held(done.rows_affected() == 1))
     }
 
     async fn idem_lock_left(

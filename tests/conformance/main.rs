@@ -29,6 +29,8 @@ mod cache;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod deadlock;
 mod edges;
+#[cfg(feature = "mysql")]
+mod ended;
 mod harness;
 #[cfg(feature = "postgres")]
 mod partitions;

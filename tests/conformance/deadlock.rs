@@ -1,6 +1,7 @@
 //! A handler that catches a deadlock, the database error a busy app meets most.
 //! PostgreSQL aborts the handler's transaction; MySQL and MariaDB roll it back
-//! whole, idem's claim included, and run what follows outside any transaction.
+//! whole, idem's claim row included, and what follows waits uncommitted outside
+//! it, for idem to roll back.
 
 use std::time::{Duration, Instant};
 
@@ -59,7 +60,7 @@ async fn move_stock<H: Harness>(
                     Ok(_) => (StatusCode::CREATED, "moved").into_response(),
                     Err(error) => {
                         // Fails on PostgreSQL (the transaction is aborted); on MySQL
-                        // it commits on its own.
+                        // it waits uncommitted, and idem rolls it back.
                         let audit = "INSERT INTO stock_audit (what) VALUES ($1)";
                         let _ = H::exec(&mut tx, audit, &["deadlock"]).await;
                         let body = format!(

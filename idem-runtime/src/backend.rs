@@ -120,7 +120,7 @@ impl Found {
     /// Runs a backend's lookup statement (parameters: scope, key) and decodes the
     /// row it finds; the SQL is each backend's, the binding and decoding are not.
     /// `prepared`: whether the statement is kept prepared on the connection.
-    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) async fn load<DB>(
         conn: &mut DB::Connection,
         sql: &std::sync::Arc<str>,
@@ -331,6 +331,7 @@ pub enum Written {
 
 impl Written {
     /// `Recorded` if the claim still `held` the key when written, else `LeaseLost`.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
     pub(crate) fn held(held: bool) -> Self {
         if held {
             Self::Recorded

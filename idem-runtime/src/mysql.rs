@@ -37,7 +37,7 @@ const REPLACE_ALL: &str = "state = VALUES(state), lease = VALUES(lease), \
 pub struct Sql {
     /// The columns a lookup selects, in the shape `Found::decode` reads.
     columns: Box<str>,
-    /// Completes the claim's row (see `claim_row`) in the handler's transaction.
+    /// Completes the claim's row (see `begin_text`) in the handler's transaction.
     record: Arc<str>,
     /// Writes the record whole, for a transaction of its own (see `idem_record`).
     record_alone: Arc<str>,
@@ -105,7 +105,7 @@ impl Driver for MySql {
 
     fn idem_sql(table: &str, _layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
         // The session's own settings back. Setting `autocommit` back to 1 would
-        // commit an open transaction: `finish` comes after the handler's ended.
+        // commit an open transaction: it runs only once the handler's has ended.
         let restore = "SET SESSION TRANSACTION READ WRITE; SET SESSION \
                 autocommit = COALESCE(@idem_autocommit, @@SESSION.autocommit), \
                 wait_timeout = CAST(COALESCE(@idem_wait_timeout, @@SESSION.wait_timeout) AS UNSIGNED), \

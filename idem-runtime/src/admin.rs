@@ -80,7 +80,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// ```
     pub async fn forget(&self, scope: &str, key: &str) -> Result<bool, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        let deleted = DB::idem_forget(&mut conn, &self.inner.table, scope, key).await?;
+        let deleted = DB::idem_forget(&mut conn, &self.inner.sql, scope, key).await?;
         if let Some(cache) = &self.inner.replay_cache {
             cache.forget(&key_digest(&self.inner.table, scope, key));
         }
@@ -89,6 +89,6 @@ impl<DB: Backend> Idempotency<DB> {
 
     async fn run_inspect(&self, query: &Query<'_>) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        DB::idem_inspect(&mut conn, &self.inner.table, query).await
+        DB::idem_inspect(&mut conn, &self.inner.sql, query).await
     }
 }

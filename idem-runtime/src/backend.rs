@@ -528,7 +528,7 @@ pub mod sealed {
         #[doc(hidden)]
         fn idem_forget<'c>(
             conn: &'c mut Self::Connection,
-            table: &'c str,
+            sql: &'c Self::IdemSql,
             scope: &'c str,
             key: &'c str,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
@@ -537,7 +537,7 @@ pub mod sealed {
         #[doc(hidden)]
         fn idem_inspect<'c>(
             conn: &'c mut Self::Connection,
-            table: &'c str,
+            sql: &'c Self::IdemSql,
             query: &'c Query<'c>,
         ) -> impl Future<Output = Result<Vec<KeyRecord>, sqlx::Error>> + Send + 'c;
     }

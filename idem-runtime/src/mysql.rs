@@ -48,14 +48,11 @@ pub struct Sql {
     /// `ROLLBACK`, then the same: ends a claim that did not take the key, or whose
     /// transaction was not recorded, and the transaction its reads opened.
     rollback: Arc<str>,
-    /// The table, for the statements written out per key.
+    /// The table, for the statements written out per key: in the pool's
+    /// database, when the pool names one (see `idem_sql`).
     table: Box<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
-    /// Whether the session's database is `database`, as SQL. `X'…'` compares as
-    /// bytes: a database named with another case or collation takes the server's
-    /// way, which names the lock as every release always has.
-    in_database: Box<str>,
     sweep: Arc<str>,
 }
 
@@ -114,6 +111,21 @@ impl Driver for MySql {
                 @idem_released = RELEASE_LOCK(@idem_lock)";
         let options = pool.connect_options();
         let database = options.get_database().unwrap_or_default();
+        // The key table and the key's lock belong to the pool's database, not to
+        // whichever one the session is in: a handler may `USE` its tenant's
+        // database, and a session may stay there after it. Without a database in
+        // the pool's options, the session's own is the only one there is.
+        let table = if database.is_empty() {
+            table.to_owned()
+        } else {
+            format!("`{}`.`{table}`", database.replace('`', "``"))
+        };
+        let table = table.as_str();
+        let session_database = if database.is_empty() {
+            "COALESCE(DATABASE(), '')".to_owned()
+        } else {
+            format!("X'{}'", to_hex(database.as_bytes()))
+        };
         // Whether the claim still holds the key: its named lock, before the lock's
         // end by the database clock.
         let held = "@idem_until > UTC_TIMESTAMP(6) AND IS_USED_LOCK(@idem_lock) = CONNECTION_ID()";
@@ -148,7 +160,8 @@ impl Driver for MySql {
                 "SELECT CAST(? - COALESCE((SELECT TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 \
                                            FROM information_schema.INNODB_TRX t \
                                            WHERE t.trx_mysql_thread_id = h.holder), 0) AS SIGNED) \
-                 FROM (SELECT IS_USED_LOCK({LOCK_NAME}) AS holder) h WHERE h.holder IS NOT NULL"
+                 FROM (SELECT IS_USED_LOCK({}) AS holder) h WHERE h.holder IS NOT NULL",
+                LOCK_NAME.replace("COALESCE(DATABASE(), '')", &session_database)
             )
             .into(),
             sweep: format!(
@@ -160,8 +173,6 @@ impl Driver for MySql {
             commit: format!("COMMIT; {restore}").into(),
             rollback: format!("ROLLBACK; {restore}").into(),
             table: table.into(),
-            in_database: format!("COALESCE(DATABASE(), '') = X'{}'", to_hex(database.as_bytes()))
-                .into(),
             database: database.into(),
         }
     }
@@ -385,21 +396,21 @@ impl Driver for MySql {
 
     async fn idem_forget(
         conn: &mut MySqlConnection,
-        table: &str,
+        sql: &Sql,
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
         let placeholder = |_| "?".to_owned();
         // As the sweep: committed whatever the session's `autocommit`.
         let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
-        let done = delete_completed::<MySql>(&mut tx, table, placeholder, scope, key).await?;
+        let done = delete_completed::<MySql>(&mut tx, &sql.table, placeholder, scope, key).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(
         conn: &mut MySqlConnection,
-        table: &str,
+        sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let (filter, limit, payload, params) = query.parts(|_| "?".to_owned(), "UTC_TIMESTAMP(6)");
@@ -414,7 +425,8 @@ impl Driver for MySql {
                     CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
                     CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
                     CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms \
-             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            sql.table
         );
         // In a transaction of its own: a fresh snapshot, which a session with
         // `autocommit = 0` does not leave open when the connection goes back.
@@ -640,18 +652,18 @@ async fn read(
     Ok((locked == Some(1), found))
 }
 
-/// The key's named lock as an SQL expression. `LOCK_NAME` costs the server more
-/// than the rest of the claim's `SET` (about 20 µs a time, measured on MariaDB
-/// 10.11), so the name is computed here for the pool's database, and the server
-/// computes it only for a session that has moved to another one.
+/// The key's named lock as an SQL expression: `LOCK_NAME` for the pool's
+/// database, computed here (the server's `SHA2` costs more than the rest of the
+/// claim's `SET`, about 20 µs a time, measured on MariaDB 10.11). Only a pool that
+/// names no database leaves the name to the server, from the session's.
 fn lock_name(sql: &Sql, id: &Identity<'_>) -> String {
-    // The seed is hex digits, and the database is written as hex: both can go
-    // into the text.
+    // The seed is hex digits: it can go into the text.
     let seed = lock_seed(id);
+    if sql.database.is_empty() {
+        return LOCK_NAME.replacen('?', &format!("'{seed}'"), 1);
+    }
     let digest = Sha256::digest(format!("{}:{seed}", sql.database));
-    let name = &to_hex(&digest)[..40];
-    let by_server = LOCK_NAME.replacen('?', &format!("'{seed}'"), 1);
-    format!("IF({}, 'idem:{name}', {by_server})", sql.in_database)
+    format!("'idem:{}'", &to_hex(&digest)[..40])
 }
 
 /// Frees what `claim_text` took on the session (see `Sql::rollback`). Whatever

@@ -64,6 +64,34 @@ const UPGRADE_2: Migration = Migration {
 const HANDLER_SAVEPOINT: &str = "SAVEPOINT idem_handler";
 const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 
+/// The session state idem's statements after the handler depend on, as
+/// [`Sql::opening`] saved it before the handler ran: the record must find idem's
+/// table (`search_path`) and may write it (the role), whatever the handler set
+/// for its tenant, locally or for the session. Each setting goes back to its saved
+/// value for the session, so that what the handler set does not outlive the
+/// transaction either; an empty save (a `RESET ALL` in the handler cleared it)
+/// keeps the current value. The authorization comes back first: it decides
+/// which roles may be set (the FROM item is evaluated before the target list).
+const SESSION_STATE: [&str; 4] = [
+    "session_authorization",
+    "role",
+    "search_path",
+    "default_transaction_read_only",
+];
+
+/// Restores [`SESSION_STATE`] (see there); the record's first statement.
+const RESTORE_SESSION: &str = "SELECT \
+     set_config('role', coalesce(nullif(current_setting('idem.role', true), ''), \
+         current_setting('role')), false), \
+     set_config('search_path', coalesce(nullif(current_setting('idem.search_path', true), ''), \
+         current_setting('search_path')), false), \
+     set_config('default_transaction_read_only', \
+         coalesce(nullif(current_setting('idem.default_transaction_read_only', true), ''), \
+         current_setting('default_transaction_read_only')), false) \
+     FROM (SELECT set_config('session_authorization', \
+         coalesce(nullif(current_setting('idem.session_authorization', true), ''), \
+         current_setting('session_authorization')), false)) AS saved";
+
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
@@ -359,12 +387,18 @@ impl Driver for Postgres {
         response: Recorded<'c>,
         announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
-        let recorded = match record(conn, sql, id, claim.lease, &response, announce).await {
+        let restored = sqlx::query(RESTORE_SESSION)
+            .persistent(sql.prepared)
+            .execute(&mut *conn)
+            .await;
+        match restored {
+            Ok(_) => {}
             // The handler caught a database error and answered anyway: what it
             // wrote is void, as PostgreSQL voids an aborted transaction's writes.
             // The claim, taken after the savepoint, went with it, but the key's
             // lock, taken before, still holds: nobody else can have claimed the
-            // key meanwhile, so it is claimed again, as it was.
+            // key meanwhile, so it is claimed again, as it was. Whatever the
+            // handler set after the savepoint is undone with it.
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
                 sqlx::raw_sql(BACK_TO_HANDLER_SAVEPOINT)
                     .execute(&mut *conn)
@@ -372,11 +406,12 @@ impl Driver for Postgres {
                 if !sql.take(conn, id, claim).await? {
                     return Ok(Written::LeaseLost);
                 }
-                record(conn, sql, id, claim.lease, &response, announce).await
             }
-            recorded => recorded,
-        };
-        recorded.map(Written::held)
+            Err(error) => return Err(error),
+        }
+        record(conn, sql, id, claim.lease, &response, announce)
+            .await
+            .map(Written::held)
     }
 
     async fn idem_lock_left(
@@ -430,21 +465,22 @@ impl Driver for Postgres {
 
     async fn idem_forget(
         conn: &mut PgConnection,
-        table: &str,
+        sql: &Sql,
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
         // In a transaction, so that it is safe through a transaction pooler.
         let mut tx = conn.begin().await?;
         let placeholder = |n| format!("${n}");
-        let done = delete_completed::<Postgres>(&mut tx, table, placeholder, scope, key).await?;
+        let done =
+            delete_completed::<Postgres>(&mut tx, &sql.table, placeholder, scope, key).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(
         conn: &mut PgConnection,
-        table: &str,
+        sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let (filter, limit, payload, params) =
@@ -459,7 +495,8 @@ impl Driver for Postgres {
                     (extract(epoch FROM locked_until - clock_timestamp()) * 1000)::bigint AS lock_left_ms, \
                     (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms, \
                     (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint AS age_ms \
-             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            sql.table
         );
         // In a transaction, so that it is safe through a transaction pooler.
         let mut tx = conn.begin().await?;
@@ -493,8 +530,10 @@ impl Sql {
             "{begin}; \
              SELECT set_config('statement_timeout', '{lock_ms}', true), \
                     set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
-                    set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true); \
-             {HANDLER_SAVEPOINT}"
+                    set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true), \
+                    {}; \
+             {HANDLER_SAVEPOINT}",
+            saved_session()
         )))
         .await
     }
@@ -519,6 +558,16 @@ impl Sql {
             .await?;
         Ok(claimed.is_some())
     }
+}
+
+/// `set_config` calls that save [`SESSION_STATE`] in settings of the transaction
+/// (`idem.<name>`), for [`RESTORE_SESSION`].
+fn saved_session() -> String {
+    SESSION_STATE
+        .iter()
+        .map(|name| format!("set_config('idem.{name}', current_setting('{name}'), true)"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A claim that failed because another executor took the key since this

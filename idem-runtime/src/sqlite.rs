@@ -26,6 +26,9 @@ pub struct Sql {
     sweep: Arc<str>,
     /// How the handler's transaction begins.
     begin: &'static str,
+    /// The key table, in the `main` schema: a temporary table or view of the
+    /// same name, which a handler may create, comes before `main` otherwise.
+    table: Box<str>,
 }
 
 impl Driver for Sqlite {
@@ -45,6 +48,8 @@ impl Driver for Sqlite {
     }
 
     fn idem_sql(table: &str, layout: Layout, _pool: &sqlx::SqlitePool) -> Sql {
+        let name = table;
+        let table = format!("main.{name}");
         Sql {
             begin: if layout.deferred {
                 "BEGIN DEFERRED"
@@ -68,8 +73,8 @@ impl Driver for Sqlite {
                         content_type = excluded.content_type, status = NULL, \
                         headers = NULL, body = NULL, locked_until = excluded.locked_until, \
                         expires_at = excluded.expires_at, created_at = excluded.created_at \
-                 WHERE {table}.expires_at <= {NOW_MS} \
-                    OR ({table}.state = 'processing' AND {table}.locked_until <= {NOW_MS}) \
+                 WHERE {name}.expires_at <= {NOW_MS} \
+                    OR ({name}.state = 'processing' AND {name}.locked_until <= {NOW_MS}) \
                  RETURNING lease"
             )
             .into(),
@@ -96,6 +101,7 @@ impl Driver for Sqlite {
                  WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 AND state = 'processing'"
             )
             .into(),
+            table: table.into(),
         }
     }
 
@@ -192,6 +198,10 @@ impl Driver for Sqlite {
                     .await?;
                 record().execute(&mut *conn).await?
             }
+            Err(error) if read_only(&error) => {
+                writable(conn).await?;
+                record().execute(&mut *conn).await?
+            }
             done => done?,
         };
         Ok(Written::held(done.rows_affected() == 1))
@@ -220,12 +230,21 @@ impl Driver for Sqlite {
         if committed {
             return Ok(());
         }
-        sqlx::query(AssertSqlSafe(sql.release.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(lease)
-            .execute(conn)
-            .await?;
+        let release = || {
+            sqlx::query(AssertSqlSafe(sql.release.clone()))
+                .bind(id.scope)
+                .bind(id.key)
+                .bind(lease)
+        };
+        match release().execute(&mut *conn).await {
+            Err(error) if read_only(&error) => {
+                writable(conn).await?;
+                release().execute(&mut *conn).await?;
+            }
+            done => {
+                done?;
+            }
+        }
         Ok(())
     }
 
@@ -243,18 +262,18 @@ impl Driver for Sqlite {
 
     async fn idem_forget(
         conn: &mut SqliteConnection,
-        table: &str,
+        sql: &Sql,
         scope: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
         let placeholder = |n| format!("?{n}");
-        let done = delete_completed::<Sqlite>(conn, table, placeholder, scope, key).await?;
+        let done = delete_completed::<Sqlite>(conn, &sql.table, placeholder, scope, key).await?;
         Ok(done.rows_affected() > 0)
     }
 
     async fn idem_inspect(
         conn: &mut SqliteConnection,
-        table: &str,
+        sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let (filter, limit, payload, params) = query.parts(|n| format!("?{n}"), NOW_MS);
@@ -267,7 +286,8 @@ impl Driver for Sqlite {
             "SELECT scope, idempotency_key, state, method, path, status, {stored}, \
                     locked_until - {NOW_MS} AS lock_left_ms, expires_at - {NOW_MS} AS expires_in_ms, \
                     {NOW_MS} - created_at AS age_ms \
-             FROM {table} WHERE {filter} ORDER BY created_at LIMIT {limit}"
+             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            sql.table
         );
         fetch::<Sqlite>(conn, sql, params).await
     }
@@ -333,6 +353,22 @@ async fn claim_row(
         .execute(&mut *conn)
         .await?;
     outcome
+}
+
+/// A write refused because the session is read-only (`SQLITE_READONLY`): the
+/// handler set `PRAGMA query_only`, which lasts as long as the connection.
+fn read_only(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(error) => error.code().as_deref() == Some("8"),
+        _ => false,
+    }
+}
+
+/// Lets idem write its record or release on a session the handler made
+/// `query_only`; the session stays writable, as idem found it at the claim.
+async fn writable(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql("PRAGMA query_only = 0").execute(conn).await?;
+    Ok(())
 }
 
 /// `SQLITE_BUSY` or one of its extended codes.

@@ -276,29 +276,45 @@ pub async fn migrate_upgrades_a_table_of_the_previous_release<H: Harness>() {
 }
 
 /// MySQL/MariaDB: a key's claim takes the named lock every release of idem takes
-/// for it (computed by the server from the session's database), so instances of
-/// two releases exclude each other during a rolling deploy; also when the session
-/// has moved to another database than its pool's.
+/// for it in the pool's database, so instances of two releases exclude each other
+/// during a rolling deploy; also when the session has moved to another database
+/// than its pool's, where the key stays in the pool's database's table.
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_claims_take_the_lock_every_release_takes() {
     let Some(h) = start::<My>().await else { return };
-    let moved = h.store_moved_by_session().await;
+    let (moved, elsewhere) = h.store_moved_by_session().await;
+    // The app writes its effects in the session's database; idem its keys in the
+    // pool's, always.
+    let effects = async || {
+        let there = format!("SELECT COUNT(*) FROM {elsewhere}.effects WHERE scope = 'alice'");
+        h.effects("alice").await + h.count(&there, &[]).await
+    };
     for (n, store) in [h.store().clone(), moved].into_iter().enumerate() {
         let app = router_on::<My>(store);
         let key = format!("k-lock-{n}");
         let held = h.hold_named_lock("alice", &key).await;
         let busy = send(&app, &Req::post("alice", &key, BODY)).await;
         assert_in_flight(&busy);
-        assert_eq!(h.effects("alice").await, i64::try_from(n).expect("small"));
+        assert_eq!(effects().await, i64::try_from(n).expect("small"));
         held.release().await;
         let free = send(&app, &Req::post("alice", &key, BODY)).await;
         assert_eq!(free.status, 201, "{}", free.text());
-        assert_eq!(
-            h.effects("alice").await,
-            i64::try_from(n + 1).expect("small")
-        );
+        assert_eq!(effects().await, i64::try_from(n + 1).expect("small"));
+        let replay = send(&app, &Req::post("alice", &key, BODY)).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
     }
+    let keys: Vec<String> = h
+        .key_rows("alice")
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(
+        keys,
+        ["k-lock-0", "k-lock-1"],
+        "both in the pool's database"
+    );
     h.finish().await;
 }
 

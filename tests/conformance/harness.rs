@@ -22,6 +22,18 @@ pub struct KeyRow {
     pub body: Option<Vec<u8>>,
 }
 
+/// A change a handler makes to its session inside its transaction.
+#[derive(Debug, Clone)]
+pub struct SessionChange {
+    pub name: String,
+    /// In order; `session::EFFECT` marks where the handler writes its effect
+    /// (last when absent), `{scope}` stands for the request's scope.
+    pub statements: Vec<String>,
+    /// Deletes, on the store's session, what idem would have written where the
+    /// change pointed it (a table of idem's name elsewhere): it must delete nothing.
+    pub shadow: Option<String>,
+}
+
 /// A backend under test: a private database, the business table `effects`, and
 /// read-backs of what the database holds.
 pub trait Harness: Send + Sync + Sized + 'static {
@@ -122,6 +134,28 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// session. PostgreSQL aborts whichever session checks first, after its
     /// `deadlock_timeout`; under load the later waiter can check first.
     const OUTLAST_DEADLOCKS: Option<&'static str> = None;
+
+    /// Creates what the cases need (another schema or database holding tables of
+    /// idem's names, a tenant's role) and lists every change of session state a
+    /// handler can make inside its transaction on this backend (see `session.rs`).
+    fn session_changes(&self) -> impl Future<Output = Vec<SessionChange>> + Send;
+
+    /// A store of this harness's settings on a pool of its own with one
+    /// connection: what a handler leaves on its session, the next request meets.
+    fn one_session_store(
+        &self,
+    ) -> impl Future<Output = (sqlx::Pool<Self::DB>, Idempotency<Self::DB>)> + Send {
+        let options = (*self.store().pool().connect_options()).clone();
+        async move {
+            let pool = sqlx::pool::PoolOptions::<Self::DB>::new()
+                .max_connections(1)
+                .connect_with(options)
+                .await
+                .expect("a pool of one connection");
+            let store = self.instance_on(pool.clone()).build().expect("store");
+            (pool, store)
+        }
+    }
 
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;

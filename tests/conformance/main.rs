@@ -35,6 +35,7 @@ mod harness;
 #[cfg(feature = "postgres")]
 mod partitions;
 mod realistic;
+mod session;
 #[cfg(feature = "sqlite")]
 mod writer;
 
@@ -68,6 +69,7 @@ use realistic::{
     idem_extractors_work_in_any_handler, nested_routes_keep_their_identity,
     storms_over_two_instances_execute_each_key_once,
 };
+use session::handler_session_changes_never_reach_idem;
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
@@ -1235,4 +1237,5 @@ conformance!(
     only_committed_responses_are_kept,
     forgotten_keys_run_again,
     a_failed_database_ends_the_copies,
+    handler_session_changes_never_reach_idem,
 );

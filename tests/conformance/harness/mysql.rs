@@ -7,6 +7,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, MySqlPool, Row};
 
 use super::*;
+use crate::session::EFFECT;
 
 pub struct My {
     admin: MySqlPool,
@@ -16,6 +17,8 @@ pub struct My {
     plain: MySqlPool,
     store: Idempotency<MySql>,
     database: String,
+    /// The run's session settings, which `pool` sets on every session.
+    settings: String,
     _leftover: Leftover,
 }
 
@@ -41,13 +44,21 @@ impl My {
         (pool, store)
     }
 
-    /// A store whose pool is configured for the URL's own database, but whose
-    /// sessions `USE` the test's: the session's database is not the pool's.
-    pub async fn store_moved_by_session(&self) -> Idempotency<MySql> {
-        let url = std::env::var("IDEM_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-        let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_URL");
-        let moved = format!("USE {}", self.database);
+    /// A store whose pool is configured for the test's database, but whose
+    /// sessions `USE` another one as they connect, of the test's own, which holds
+    /// the application's table `effects` and nothing of idem's: the session's
+    /// database is not the pool's. Returns that database's name too.
+    pub async fn store_moved_by_session(&self) -> (Idempotency<MySql>, String) {
+        let elsewhere = format!("{}_moved", self.database);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {elsewhere}; CREATE TABLE {elsewhere}.effects LIKE {}.effects",
+            self.database
+        )))
+        .execute(&self.admin)
+        .await
+        .expect("another database");
+        let moved = format!("USE {elsewhere}");
+        let options = (*self.plain.connect_options()).clone();
         let pool = MySqlPoolOptions::new()
             .max_connections(2)
             .after_connect(move |conn, _| {
@@ -61,8 +72,8 @@ impl My {
             })
             .connect_with(options)
             .await
-            .expect("connect, then move to the test database");
-        Idempotency::new(pool)
+            .expect("connect, then move to another database");
+        (Idempotency::new(pool), elsewhere)
     }
 
     /// Takes, on a session of its own in the test's database, the named lock that
@@ -168,18 +179,22 @@ impl Harness for My {
         if let Ok(autocommit) = std::env::var("IDEM_TEST_MYSQL_AUTOCOMMIT") {
             settings.push(format!("SET SESSION autocommit = {}", autocommit == "1"));
         }
+        let settings = settings.join("; ");
         let pool = MySqlPoolOptions::new()
             .max_connections(24)
-            .after_connect(move |conn, _| {
-                let settings = settings.join("; ");
-                Box::pin(async move {
-                    if !settings.is_empty() {
-                        sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
-                            .execute(conn)
-                            .await?;
-                    }
-                    Ok(())
-                })
+            .after_connect({
+                let settings = settings.clone();
+                move |conn, _| {
+                    let settings = settings.clone();
+                    Box::pin(async move {
+                        if !settings.is_empty() {
+                            sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
+                                .execute(conn)
+                                .await?;
+                        }
+                        Ok(())
+                    })
+                }
             })
             .connect_with(options.clone().database(&database))
             .await
@@ -202,7 +217,10 @@ impl Harness for My {
         store.migrate().await.expect("migrate");
         let leftover = Leftover::statement::<sqlx::MySqlConnection>(
             url,
-            format!("DROP DATABASE IF EXISTS {database}"),
+            format!(
+                "DROP DATABASE IF EXISTS {database}; DROP DATABASE IF EXISTS {database}_tenant; \
+                 DROP DATABASE IF EXISTS {database}_bare; DROP DATABASE IF EXISTS {database}_moved"
+            ),
         );
         Some(Self {
             admin,
@@ -210,6 +228,7 @@ impl Harness for My {
             plain,
             store,
             database,
+            settings,
             _leftover: leftover,
         })
     }
@@ -340,6 +359,130 @@ impl Harness for My {
             .table(table)
             .build()
             .expect("store")
+    }
+
+    async fn session_changes(&self) -> Vec<SessionChange> {
+        let db = &self.database;
+        let (tenant, bare) = (format!("{db}_tenant"), format!("{db}_bare"));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {tenant}; CREATE DATABASE {bare}; \
+             CREATE TABLE {tenant}.idempotency_keys LIKE {db}.idempotency_keys; \
+             CREATE TABLE {tenant}.effects LIKE {db}.effects"
+        )))
+        .execute(&self.admin)
+        .await
+        .expect("a tenant's database");
+        let shadow = Some(format!("DELETE FROM {tenant}.idempotency_keys"));
+        let case = |name: &str, statements: &[&str], shadow: &Option<String>| SessionChange {
+            name: name.to_owned(),
+            statements: statements.iter().map(|s| (*s).to_owned()).collect(),
+            shadow: shadow.clone(),
+        };
+        let use_tenant = format!("USE {tenant}");
+        let use_bare = format!("USE {bare}");
+        vec![
+            case(
+                "USE a tenant's database with a table of idem's name",
+                &[EFFECT, &use_tenant],
+                &shadow,
+            ),
+            case("USE a database without tables", &[EFFECT, &use_bare], &None),
+            case(
+                "SET SESSION sql_mode, ANSI quotes and no backslash escapes",
+                &[
+                    "SET SESSION sql_mode = 'ANSI_QUOTES,PIPES_AS_CONCAT,NO_BACKSLASH_ESCAPES,\
+                   STRICT_ALL_TABLES,ONLY_FULL_GROUP_BY,NO_ZERO_DATE,NO_UNSIGNED_SUBTRACTION'",
+                ],
+                &None,
+            ),
+            case(
+                "SET SESSION sql_mode to none",
+                &["SET SESSION sql_mode = ''"],
+                &None,
+            ),
+            case(
+                "SET time_zone ahead of UTC",
+                &["SET SESSION time_zone = '+13:00'"],
+                &None,
+            ),
+            case(
+                "SET time_zone behind UTC",
+                &["SET time_zone = '-11:00'"],
+                &None,
+            ),
+            case(
+                "SET SESSION sql_select_limit = 0",
+                &["SET SESSION sql_select_limit = 0"],
+                &None,
+            ),
+            case(
+                "SET SESSION max_join_size = 1",
+                &["SET SESSION max_join_size = 1"],
+                &None,
+            ),
+            case("SET NAMES latin1", &["SET NAMES latin1"], &None),
+            case(
+                "SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED",
+                &["SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED"],
+                &None,
+            ),
+            case(
+                "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                &["SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"],
+                &None,
+            ),
+            case(
+                "SET SESSION TRANSACTION READ ONLY",
+                &["SET SESSION TRANSACTION READ ONLY"],
+                &None,
+            ),
+            case(
+                "SET SESSION autocommit = 0",
+                &["SET SESSION autocommit = 0"],
+                &None,
+            ),
+            case(
+                "safe updates, no key checks, no division digits",
+                &[
+                    "SET SESSION sql_safe_updates = 1",
+                    "SET SESSION foreign_key_checks = 0",
+                    "SET SESSION unique_checks = 0",
+                    "SET SESSION div_precision_increment = 0",
+                ],
+                &None,
+            ),
+            case(
+                "shorter lock waits",
+                &[
+                    "SET SESSION innodb_lock_wait_timeout = 1",
+                    "SET SESSION lock_wait_timeout = 1",
+                ],
+                &None,
+            ),
+        ]
+    }
+
+    async fn one_session_store(&self) -> (MySqlPool, Idempotency<MySql>) {
+        let options = (*self.pool.connect_options()).clone();
+        let settings = self.settings.clone();
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                let settings = settings.clone();
+                Box::pin(async move {
+                    if !settings.is_empty() {
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
+                            .execute(conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await
+            .expect("a pool of one connection");
+        let store = self.instance_on(pool.clone()).build().expect("store");
+        (pool, store)
     }
 
     async fn open_transactions(&self) -> i64 {

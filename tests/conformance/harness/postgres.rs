@@ -7,6 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Row};
 
 use super::*;
+use crate::session::EFFECT;
 
 /// PostgreSQL, in the plain layout (`Pg`) or partitioned by day (`PgParted`).
 pub struct PgLayout<const PARTITIONED: bool> {
@@ -103,7 +104,9 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
                     url,
                     format!(
                         "DROP SCHEMA IF EXISTS {schema} CASCADE; \
-                         DROP SCHEMA IF EXISTS {schema}_other CASCADE"
+                         DROP SCHEMA IF EXISTS {schema}_other CASCADE; \
+                         DROP SCHEMA IF EXISTS {schema}_tenant CASCADE; \
+                         DROP SCHEMA IF EXISTS {schema}_bare CASCADE"
                     ),
                 );
                 (pool.clone(), pool, other_pool, leftover)
@@ -338,6 +341,130 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             builder = builder.transaction_pooled();
         }
         builder.build().expect("store")
+    }
+
+    async fn session_changes(&self) -> Vec<SessionChange> {
+        // The tables live in `home`: the test's schema, or `public` of the test's
+        // database on a pooler run. A tenant's schema holds a table of idem's name.
+        let home: String = sqlx::query_scalar("SELECT current_schema()")
+            .fetch_one(&self.direct)
+            .await
+            .expect("the test's schema");
+        let (tenant, bare) = (
+            format!("{}_tenant", self.schema),
+            format!("{}_bare", self.schema),
+        );
+        // A tenant's role, as row-level security setups switch to: it may write
+        // its own rows of `effects`, and nothing of idem's. Roles are the
+        // cluster's: one name for every test, created once.
+        sqlx::raw_sql(
+            "DO $$ BEGIN CREATE ROLE idem_test_tenant NOLOGIN; \
+             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$",
+        )
+        .execute(&self.admin)
+        .await
+        .expect("the tenant's role");
+        self.script(&format!(
+            "CREATE SCHEMA {tenant}; CREATE SCHEMA {bare}; \
+             CREATE TABLE {tenant}.idempotency_keys (LIKE {home}.idempotency_keys INCLUDING ALL); \
+             GRANT USAGE ON SCHEMA {home} TO idem_test_tenant; \
+             GRANT SELECT, INSERT ON {home}.effects TO idem_test_tenant; \
+             GRANT USAGE ON SEQUENCE {home}.effects_id_seq TO idem_test_tenant; \
+             ALTER TABLE {home}.effects ENABLE ROW LEVEL SECURITY; \
+             CREATE POLICY effects_of_the_tenant ON {home}.effects TO idem_test_tenant \
+                 USING (scope = current_setting('app.tenant', true)) \
+                 WITH CHECK (scope = current_setting('app.tenant', true))"
+        ))
+        .await;
+        let shadow = Some(format!("DELETE FROM {tenant}.idempotency_keys"));
+        let case = |name: &str, statements: &[&str], shadow: &Option<String>| SessionChange {
+            name: name.to_owned(),
+            statements: statements.iter().map(|s| (*s).to_owned()).collect(),
+            shadow: shadow.clone(),
+        };
+        let tenant_first = format!("SET LOCAL search_path = {tenant}, {home}");
+        let tenant_session = format!("SET search_path = {tenant}, {home}");
+        let bare_local = format!("SELECT set_config('search_path', '{bare}', true)");
+        vec![
+            case(
+                "SET LOCAL search_path, a tenant's schema with a table of idem's name first",
+                &[&tenant_first],
+                &shadow,
+            ),
+            case(
+                "SET search_path for the session",
+                &[&tenant_session],
+                &shadow,
+            ),
+            case(
+                "set_config('search_path', …, true) to a schema without tables",
+                &[EFFECT, &bare_local],
+                &None,
+            ),
+            case(
+                "SET LOCAL ROLE and a tenant's setting for row-level security",
+                &[
+                    "SET LOCAL ROLE idem_test_tenant",
+                    "SELECT set_config('app.tenant', '{scope}', true)",
+                ],
+                &None,
+            ),
+            case(
+                "SET ROLE for the session",
+                &[
+                    "SET ROLE idem_test_tenant",
+                    "SELECT set_config('app.tenant', '{scope}', false)",
+                ],
+                &None,
+            ),
+            case(
+                "SET LOCAL SESSION AUTHORIZATION",
+                &[
+                    "SET LOCAL SESSION AUTHORIZATION idem_test_tenant",
+                    "SELECT set_config('app.tenant', '{scope}', true)",
+                ],
+                &None,
+            ),
+            case(
+                "SET SESSION AUTHORIZATION for the session",
+                &[
+                    "SET SESSION AUTHORIZATION idem_test_tenant",
+                    "SELECT set_config('app.tenant', '{scope}', false)",
+                ],
+                &None,
+            ),
+            case("RESET ALL", &[EFFECT, "RESET ALL"], &None),
+            case(
+                "SET default_transaction_read_only for the session",
+                &[EFFECT, "SET default_transaction_read_only = on"],
+                &None,
+            ),
+            case(
+                "output formats, date style and time zone",
+                &[
+                    "SET LOCAL bytea_output = 'escape'",
+                    "SET LOCAL DateStyle = 'SQL, DMY'",
+                    "SET LOCAL IntervalStyle = 'iso_8601'",
+                    "SET LOCAL TimeZone = 'Pacific/Kiritimati'",
+                    "SET LOCAL extra_float_digits = -15",
+                ],
+                &None,
+            ),
+            case(
+                "session_replication_role = replica",
+                &["SET LOCAL session_replication_role = replica"],
+                &None,
+            ),
+            case(
+                "shorter statement, lock and idle timeouts",
+                &[
+                    "SET LOCAL statement_timeout = '5s'",
+                    "SET LOCAL lock_timeout = '1ms'",
+                    "SET LOCAL idle_in_transaction_session_timeout = '5s'",
+                ],
+                &None,
+            ),
+        ]
     }
 
     async fn open_transactions(&self) -> i64 {

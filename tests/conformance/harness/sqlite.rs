@@ -9,6 +9,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use super::*;
+use crate::session::EFFECT;
 
 pub struct LiteMode<const DEFERRED: bool> {
     pool: SqlitePool,
@@ -196,6 +197,53 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
         .execute(&self.pool)
         .await
         .expect("legacy rows");
+    }
+
+    async fn session_changes(&self) -> Vec<SessionChange> {
+        // `ATTACH` is refused inside a transaction: a handler cannot send it.
+        let case = |name: &str, statements: &[&str], shadow: Option<&str>| SessionChange {
+            name: name.to_owned(),
+            statements: statements.iter().map(|s| (*s).to_owned()).collect(),
+            shadow: shadow.map(str::to_owned),
+        };
+        vec![
+            case(
+                "a temporary table of idem's name, which comes before main's",
+                &[
+                    "CREATE TEMP TABLE idempotency_keys AS SELECT * FROM main.idempotency_keys WHERE 0",
+                ],
+                Some("DELETE FROM temp.idempotency_keys"),
+            ),
+            case(
+                "a temporary view of idem's name",
+                &[
+                    "CREATE TEMP VIEW idempotency_keys AS SELECT * FROM main.idempotency_keys WHERE 0",
+                ],
+                None,
+            ),
+            case(
+                "PRAGMA query_only",
+                &[EFFECT, "PRAGMA query_only = 1"],
+                None,
+            ),
+            case(
+                "PRAGMA busy_timeout = 0",
+                &["PRAGMA busy_timeout = 0"],
+                None,
+            ),
+            case(
+                "pragmas that change how queries run",
+                &[
+                    "PRAGMA reverse_unordered_selects = 1",
+                    "PRAGMA case_sensitive_like = 1",
+                    "PRAGMA recursive_triggers = 1",
+                    "PRAGMA defer_foreign_keys = 1",
+                    "PRAGMA cache_size = 1",
+                    "PRAGMA cell_size_check = 1",
+                ],
+                None,
+            ),
+        ]
     }
 
     fn store_on(&self, table: &str) -> Idempotency<Sqlite> {

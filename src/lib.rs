@@ -4,7 +4,8 @@
 //! replays. `idem` makes a non-idempotent handler (a payment, a transfer, an order)
 //! safe to retry under an `Idempotency-Key`: the handler's writes and its recorded
 //! response commit in ONE transaction of your database, a completed request is
-//! replayed byte for byte, a concurrent duplicate is answered 409 instead of running
+//! replayed (its status, body bytes and headers, but cookies and a few that
+//! describe one connection), a concurrent duplicate is answered 409 instead of running
 //! a second time, and a crashed or hung executor is taken over without ever
 //! committing late.
 //!
@@ -217,6 +218,7 @@
 /// | `wait` | how long a duplicate waits for an in-flight first request, then replays its response (holding no connection meanwhile); 409 at the bound | none: 409 at once |
 /// | `required` | refuse requests without a key with 400 `missing-key` | `false` |
 /// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
+/// | `release_on` | the 4xx statuses that mean "not executed, try later": answered, rolled back and the key released like a 5xx, never recorded; `[]` records every answer below 500 | `[408, 425, 429]` |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
 ///
 /// Every handler says whose keys it keeps apart: `scope` names the parameter that
@@ -236,8 +238,8 @@
 /// - `tx: Tx<DB>` (or an alias of it): the transaction the response is recorded
 ///   in, handed over once the key is claimed. Write through it
 ///   (`query.execute(&mut *tx)`), or pass it to helpers as `&mut Tx<DB>`; the
-///   handler's writes commit with the response when it answers below 500, and are
-///   rolled back otherwise. Moved into a task that outlives the handler, it is
+///   handler's writes commit with the response when it answers below 500 (and
+///   not with a status of `release_on`), and are rolled back otherwise. Moved into a task that outlives the handler, it is
 ///   caught: 500 `handler-failed`, rolled back, nothing recorded.
 /// - `key: IdempotencyKey` (requests without a key are answered 400
 ///   `missing-key`) or `key: Option<IdempotencyKey>`: the client's key, bound to

@@ -66,3 +66,23 @@ fn cited_documents_exist() {
         );
     }
 }
+
+/// Every problem idem answers is in the outcome table, with its status: a client
+/// can meet each of them.
+#[test]
+fn the_outcome_table_names_every_problem() {
+    let table = read("docs/outcomes.md");
+    let source = read("idem-runtime/src/problem.rs");
+    let slugs: Vec<&str> = source
+        .lines()
+        .filter_map(|line| line.trim().split_once(" => \"")?.1.strip_suffix("\","))
+        .filter(|slug| slug.chars().all(|c| c.is_ascii_lowercase() || c == '-'))
+        .collect();
+    assert!(slugs.len() >= 13, "the slugs of problem.rs: {slugs:?}");
+    for slug in slugs {
+        assert!(
+            table.contains(&format!("`{slug}`")),
+            "docs/outcomes.md does not name `{slug}`"
+        );
+    }
+}

@@ -1,10 +1,11 @@
 //! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
-//! `required`, `ttl_header`, `db`.
+//! `required`, `ttl_header`, `release_on`, `db`.
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Token, Type};
 
-const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `db`";
+const OPTIONS: &str =
+    "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `release_on`, `db`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -26,6 +27,8 @@ pub(crate) struct Args {
     pub(crate) wait: Option<Duration>,
     pub(crate) required: Option<LitBool>,
     pub(crate) ttl_header: Option<LitBool>,
+    /// The 4xx statuses answered but not recorded, when written.
+    pub(crate) release_on: Option<Vec<u16>>,
     pub(crate) db: Option<Type>,
 }
 
@@ -90,6 +93,16 @@ impl Parse for Args {
                         format!("expected a duration string, like `{key} = \"30s\"`"),
                     )),
                 },
+                "release_on" => match input.parse()? {
+                    syn::Expr::Array(array) => match statuses(&array) {
+                        Ok(list) => args.release_on = Some(list),
+                        Err(error) => errors.push(error),
+                    },
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        "expected a list of 4xx statuses, like `release_on = [408, 425, 429]`",
+                    )),
+                },
                 "required" | "ttl_header" | "unscoped" => match input.parse()? {
                     Lit::Bool(lit) => match key.as_str() {
                         "required" => args.required = Some(lit),
@@ -126,6 +139,35 @@ impl Parse for Args {
         errors.finish()?;
         Ok(args)
     }
+}
+
+/// Reads `release_on`'s list: integer literals from 400 to 499, each once. Every
+/// wrong element gets its own error.
+fn statuses(array: &syn::ExprArray) -> syn::Result<Vec<u16>> {
+    let mut errors = Errors::default();
+    let mut list = Vec::new();
+    for element in &array.elems {
+        let status = match element {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: Lit::Int(int), ..
+            }) => int.base10_parse::<u16>().ok(),
+            _ => None,
+        };
+        match status {
+            Some(status @ 400..=499) if list.contains(&status) => errors.push(Error::new_spanned(
+                element,
+                format!("status {status} is listed twice"),
+            )),
+            Some(status @ 400..=499) => list.push(status),
+            _ => errors.push(Error::new_spanned(
+                element,
+                "`release_on` takes statuses from 400 to 499: an answer of 500 or above is \
+                 always released, and one below 400 always recorded",
+            )),
+        }
+    }
+    errors.finish()?;
+    Ok(list)
 }
 
 /// Parses "500ms", "30s", "15m", "24h", "3d" into milliseconds.

@@ -180,6 +180,10 @@ impl<'a> Handler<'a> {
         let lock = args.lock.as_ref().map_or(DEFAULT_LOCK_MS, |d| d.millis);
         let wait = args.wait.as_ref().map_or(0, |d| d.millis);
         let ttl_header = args.ttl_header.as_ref().is_some_and(LitBool::value);
+        let release_on = args
+            .release_on
+            .as_ref()
+            .map(|statuses| quote!(.release_on(&[#(#statuses),*])));
         let options = quote! {
             #private::Options::new()
                 .ttl(::std::time::Duration::from_millis(#ttl))
@@ -187,6 +191,7 @@ impl<'a> Handler<'a> {
                 .wait(::std::time::Duration::from_millis(#wait))
                 .required(#required)
                 .ttl_header(#ttl_header)
+                #release_on
         };
 
         // Every parameter keeps its place, so that the function still takes what it

@@ -567,7 +567,7 @@ impl<DB: Backend> Idempotency<DB> {
         let clean;
         let mut committed = false;
         let (outcome, response, mut conn) = match ran {
-            Ran::Done(mut response) if !response.status().is_server_error() => {
+            Ran::Done(mut response) if options.records(response.status()) => {
                 if options.advertises_ttl() {
                     let seconds = options.ttl_duration().as_secs();
                     response
@@ -735,7 +735,7 @@ impl<DB: Backend> Idempotency<DB> {
             return (Outcome::Unkeyed, self.failed(ran));
         };
         let (mut conn, outcome, response, clean) = match ran {
-            Ran::Done(response) if !response.status().is_server_error() => {
+            Ran::Done(response) if options.records(response.status()) => {
                 match open.commit().await {
                     (_, Ok(())) => return (Outcome::Unkeyed, response),
                     (conn, Err(error)) => {

@@ -1,4 +1,5 @@
-//! Per-endpoint settings: `ttl`, `lock`, `required`, `wait`, `ttl_header`.
+//! Per-endpoint settings: `ttl`, `lock`, `required`, `wait`, `ttl_header`,
+//! `release_on`.
 
 use std::time::Duration;
 
@@ -29,11 +30,19 @@ pub struct Options {
     required: bool,
     wait: Duration,
     ttl_header: bool,
+    /// The 4xx statuses released instead of recorded: bit `n` is status `400 + n`.
+    release: u128,
+    /// A status given to `release_on` that is not a 4xx, for `check` to report.
+    not_4xx: Option<u16>,
 }
+
+/// 408 Request Timeout, 425 Too Early, 429 Too Many Requests: answers that say the
+/// request was not executed and may be sent again later.
+const NOT_EXECUTED: [u16; 3] = [408, 425, 429];
 
 impl Options {
     /// Defaults: `ttl` 24 hours, `lock` 30 seconds, key not required, no `wait`, no
-    /// TTL header.
+    /// TTL header, 408, 425 and 429 released (see [`release_on`](Self::release_on)).
     pub const fn new() -> Self {
         Self {
             ttl: Duration::from_secs(24 * 60 * 60),
@@ -41,7 +50,10 @@ impl Options {
             required: false,
             wait: Duration::ZERO,
             ttl_header: false,
+            release: 0,
+            not_4xx: None,
         }
+        .release_on(&NOT_EXECUTED)
     }
 
     /// How long a key is remembered, counted from its first claim. A request whose
@@ -98,14 +110,67 @@ impl Options {
         self
     }
 
-    /// Checks that the options are consistent: `lock` shorter than `ttl`. The
+    /// The 4xx statuses that mean "not executed, try later": answered as the
+    /// handler gave them, but not recorded. Like an answer of 500 or above, such an
+    /// answer rolls back the handler's transaction and releases the key, so that a
+    /// retry runs the handler again instead of replaying the refusal for the whole
+    /// `ttl`. The same holds for a request without a key: its transaction is rolled
+    /// back.
+    ///
+    /// Replaces the set, whose default is 408 Request Timeout, 425 Too Early and
+    /// 429 Too Many Requests (a rate limiter's answer, for one); `&[]` records every
+    /// answer below 500. Answers of 500 and above are always released. A status
+    /// outside 400–499 makes [`check`](Self::check) fail.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_runtime::Options;
+    ///
+    /// // A 409 this handler answers for a conflict that may clear is not kept either.
+    /// const TRANSFERS: Options = Options::new().release_on(&[409, 429]);
+    /// assert!(!TRANSFERS.records(StatusCode::CONFLICT));
+    /// assert!(TRANSFERS.records(StatusCode::REQUEST_TIMEOUT));
+    /// assert!(Options::new().records(StatusCode::UNPROCESSABLE_ENTITY));
+    /// assert!(!Options::new().records(StatusCode::TOO_MANY_REQUESTS));
+    /// ```
+    #[must_use]
+    pub const fn release_on(mut self, statuses: &[u16]) -> Self {
+        self.release = 0;
+        self.not_4xx = None;
+        let mut i = 0;
+        while i < statuses.len() {
+            let status = statuses[i];
+            if status >= 400 && status <= 499 {
+                self.release |= 1 << (status - 400);
+            } else if self.not_4xx.is_none() {
+                self.not_4xx = Some(status);
+            }
+            i += 1;
+        }
+        self
+    }
+
+    /// Whether an answer with `status` is recorded and replayed: below 500, and
+    /// not one of [`release_on`](Self::release_on)'s.
+    pub const fn records(&self, status: http::StatusCode) -> bool {
+        let status = status.as_u16();
+        if status >= 500 {
+            return false;
+        }
+        status < 400 || self.release & (1 << (status - 400)) == 0
+    }
+
+    /// Checks that the options are consistent: `lock` shorter than `ttl`, and
+    /// only 4xx statuses in [`release_on`](Self::release_on). The
     /// engine refuses every request of an endpoint whose options fail this, with
     /// 500 [`invalid-options`](crate::Problem::InvalidOptions), before anything runs.
     /// In a `const` the failure is a compile error.
     ///
     /// # Errors
     ///
-    /// [`InvalidOptions`] naming both durations.
+    /// [`InvalidOptions`] naming both durations, or the status that is not a 4xx.
     ///
     /// # Examples
     ///
@@ -118,13 +183,16 @@ impl Options {
     /// assert!(short_ttl.lock(Duration::from_secs(5)).check().is_ok());
     /// ```
     pub const fn check(self) -> Result<Self, InvalidOptions> {
+        if let Some(status) = self.not_4xx {
+            return Err(InvalidOptions(Invalid::NotA4xx(status)));
+        }
         if self.lock.as_nanos() < self.ttl.as_nanos() {
             Ok(self)
         } else {
-            Err(InvalidOptions {
+            Err(InvalidOptions(Invalid::LockNotShorter {
                 ttl: self.ttl,
                 lock: self.lock,
-            })
+            }))
         }
     }
 
@@ -173,20 +241,30 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
-/// [`Options`] whose `lock` is not shorter than their `ttl`; see [`Options::check`].
+/// [`Options`] whose `lock` is not shorter than their `ttl`, or that release a
+/// status other than a 4xx; see [`Options::check`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InvalidOptions {
-    ttl: Duration,
-    lock: Duration,
+pub struct InvalidOptions(Invalid);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Invalid {
+    LockNotShorter { ttl: Duration, lock: Duration },
+    NotA4xx(u16),
 }
 
 impl std::fmt::Display for InvalidOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "lock ({:?}) must be shorter than ttl ({:?}): a key must outlive any execution holding it",
-            self.lock, self.ttl
-        )
+        match self.0 {
+            Invalid::LockNotShorter { ttl, lock } => write!(
+                f,
+                "lock ({lock:?}) must be shorter than ttl ({ttl:?}): a key must outlive any execution holding it"
+            ),
+            Invalid::NotA4xx(status) => write!(
+                f,
+                "release_on takes statuses from 400 to 499, not {status}: an answer of 500 or \
+                 above is always released, and one below 400 always recorded"
+            ),
+        }
     }
 }
 

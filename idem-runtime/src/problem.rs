@@ -54,7 +54,8 @@ pub enum Problem {
     /// reconcile, never a second execution.
     TransactionEnded,
     /// 500: the endpoint's [`Options`](crate::Options) are inconsistent (`lock` not
-    /// shorter than `ttl`): nothing was run or stored. The `#[idempotent]`
+    /// shorter than `ttl`, or a `release_on` status outside 400–499): nothing was
+    /// run or stored. The `#[idempotent]`
     /// attribute refuses such options at compile time; this catches options built
     /// by hand.
     InvalidOptions,

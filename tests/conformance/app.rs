@@ -123,6 +123,14 @@ async fn effect<H: Harness>(
         options = options.wait(Duration::from_millis(n));
     }
     options = options.ttl_header(headers.contains_key("x-ttl-header"));
+    // `x-release-on: 409,429` (empty: none) replaces the statuses left unrecorded.
+    if let Some(list) = headers.get("x-release-on").and_then(|v| v.to_str().ok()) {
+        let statuses: Vec<u16> = list
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .collect();
+        options = options.release_on(&statuses);
+    }
     let sleep = Duration::from_millis(number(&headers, "x-sleep-ms"));
     let block = Duration::from_millis(number(&headers, "x-block-ms"));
     let big = usize::try_from(number(&headers, "x-big")).unwrap_or(0);

@@ -571,6 +571,105 @@ async fn failures_roll_back_and_release_the_key<H: Harness>() {
     h.finish().await;
 }
 
+/// §4.4: an answer that means "not executed, try later" (408, 425, 429 by default,
+/// or the endpoint's own set) is answered but never recorded: the handler's writes
+/// roll back and the key is free at once, so the retry runs the handler instead of
+/// replaying the refusal for the whole ttl. Every other 4xx is recorded; so is
+/// every default status once an endpoint lists its own. Without a key the writes
+/// roll back too: the handler's effect does not depend on the client's key.
+async fn not_executed_answers_release_the_key<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    // (status, the endpoint's `x-release-on`, released?)
+    let cases: &[(u16, Option<&str>, bool)] = &[
+        (408, None, true),
+        (425, None, true),
+        (429, None, true),
+        (400, None, false),
+        (404, None, false),
+        (409, None, false),
+        (422, None, false),
+        (409, Some("409,429"), true),
+        (429, Some("409,429"), true),
+        (408, Some("409,429"), false),
+        (429, Some(""), false),
+    ];
+    let mut effects = 0;
+    for (n, &(status, release_on, released)) in cases.iter().enumerate() {
+        let case = format!("{status} with release_on = {release_on:?}");
+        let key = format!("k-release-{n}");
+        let mut req = Req::post("alice", &key, BODY);
+        if let Some(list) = release_on {
+            req = req.header("x-release-on", list);
+        }
+        let first = send(&app, &req.clone().header("x-status", status)).await;
+        assert_eq!(first.status, status, "{case}: the handler's own answer");
+        let retry = send(&app, &req).await;
+        if released {
+            assert_eq!(first.outcome, Some(Outcome::Released), "{case}");
+            assert_eq!(
+                retry.outcome,
+                Some(Outcome::Executed),
+                "{case}: {}",
+                retry.text()
+            );
+            assert_eq!(retry.status, 201, "{case}");
+            effects += 1;
+        } else {
+            assert_eq!(first.outcome, Some(Outcome::Executed), "{case}");
+            assert_eq!(retry.outcome, Some(Outcome::Replayed), "{case}");
+            assert_eq!((retry.status, &retry.body), (status, &first.body), "{case}");
+            effects += 1;
+        }
+        assert_eq!(
+            h.effects("alice").await,
+            effects,
+            "{case}: one write kept per key"
+        );
+        let rows = h.key_rows("alice").await;
+        let row = rows
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, row)| row.status);
+        let kept = if released { 201 } else { i32::from(status) };
+        assert_eq!(row, Some(Some(kept)), "{case}: what the key holds");
+    }
+    // Without a key: a 429's writes roll back, a 409's commit, as with one.
+    let unkeyed = |status: u16| {
+        Req::post("bob", "", BODY)
+            .keys(&[])
+            .header("x-status", status)
+    };
+    assert_eq!(send(&app, &unkeyed(429)).await.status, 429);
+    assert_eq!(h.effects("bob").await, 0, "an unkeyed 429 rolls back");
+    assert_eq!(send(&app, &unkeyed(409)).await.status, 409);
+    assert_eq!(h.effects("bob").await, 1, "an unkeyed 409 commits");
+    assert!(h.key_rows("bob").await.is_empty());
+
+    // A duplicate waiting on a first answered 429 claims the key and runs itself.
+    let key = "k-release-wait";
+    let req = Req::post("alice", key, BODY).header("x-wait-ms", 20_000);
+    let first = {
+        let (app, req) = (
+            app.clone(),
+            req.clone().header("x-gate", key).header("x-status", 429),
+        );
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    crate::await_started(key).await;
+    let waiter = {
+        let (app, req) = (app.clone(), req.clone());
+        tokio::spawn(async move { send(&app, &req).await })
+    };
+    app::open_gate(key);
+    let first = first.await.expect("first");
+    let waiter = waiter.await.expect("waiter");
+    assert_eq!(first.status, 429);
+    assert_eq!(waiter.outcome, Some(Outcome::Executed), "{}", waiter.text());
+    assert_eq!(h.effects("alice").await, effects + 1);
+    h.finish().await;
+}
+
 /// §4.1, §4.5: an executor stuck at an await past its lock is cancelled and rolled
 /// back; until then duplicates get 409; afterwards a retry runs.
 async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
@@ -1206,6 +1305,7 @@ conformance!(
     mismatch_is_refused_and_record_untouched,
     scopes_are_isolated,
     failures_roll_back_and_release_the_key,
+    not_executed_answers_release_the_key,
     hung_executor_is_cancelled_at_its_lock,
     late_executor_cannot_commit_after_takeover,
     stale_claim_is_taken_over_once,

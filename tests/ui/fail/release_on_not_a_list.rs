@@ -1,0 +1,11 @@
+use axum::http::StatusCode;
+use idem::{idempotent, Tx};
+use sqlx::Sqlite;
+
+#[idempotent(unscoped = true, release_on = 429)]
+async fn pay(tx: Tx<Sqlite>) -> StatusCode {
+    let _ = tx;
+    StatusCode::CREATED
+}
+
+fn main() {}

@@ -67,11 +67,11 @@ const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 /// The session state idem's statements after the handler depend on, as
 /// [`Sql::opening`] saved it before the handler ran: the record must find idem's
 /// table (`search_path`) and may write it (the role), whatever the handler set
-/// for its tenant, locally or for the session. Each setting goes back to its saved
-/// value for the session, so that what the handler set does not outlive the
+/// for its tenant, locally or for the session. A setting the handler changed goes
+/// back to its saved value for the session, so that it does not outlive the
 /// transaction either; an empty save (a `RESET ALL` in the handler cleared it)
-/// keeps the current value. The authorization comes back first: it decides
-/// which roles may be set (the FROM item is evaluated before the target list).
+/// keeps the current value. The authorization comes back first: it decides which
+/// roles may be set (the FROM item is evaluated before the target list).
 const SESSION_STATE: [&str; 4] = [
     "session_authorization",
     "role",
@@ -79,18 +79,24 @@ const SESSION_STATE: [&str; 4] = [
     "default_transaction_read_only",
 ];
 
-/// Restores [`SESSION_STATE`] (see there); the record's first statement.
+/// Restores [`SESSION_STATE`] (see there); the record's first statement. A
+/// setting is set only when it changed: setting the authorization or the role
+/// costs the server catalog look-ups and a report to the client.
 const RESTORE_SESSION: &str = "SELECT \
-     set_config('role', coalesce(nullif(current_setting('idem.role', true), ''), \
-         current_setting('role')), false), \
-     set_config('search_path', coalesce(nullif(current_setting('idem.search_path', true), ''), \
-         current_setting('search_path')), false), \
-     set_config('default_transaction_read_only', \
+     CASE WHEN current_setting('role') <> r THEN set_config('role', r, false) END, \
+     CASE WHEN current_setting('search_path') <> p THEN set_config('search_path', p, false) END, \
+     CASE WHEN current_setting('default_transaction_read_only') <> d \
+          THEN set_config('default_transaction_read_only', d, false) END \
+     FROM (SELECT \
+         coalesce(nullif(current_setting('idem.role', true), ''), current_setting('role')) AS r, \
+         coalesce(nullif(current_setting('idem.search_path', true), ''), \
+             current_setting('search_path')) AS p, \
          coalesce(nullif(current_setting('idem.default_transaction_read_only', true), ''), \
-         current_setting('default_transaction_read_only')), false) \
-     FROM (SELECT set_config('session_authorization', \
-         coalesce(nullif(current_setting('idem.session_authorization', true), ''), \
-         current_setting('session_authorization')), false)) AS saved";
+             current_setting('default_transaction_read_only')) AS d, \
+         CASE WHEN current_setting('session_authorization') <> a \
+              THEN set_config('session_authorization', a, false) END \
+         FROM (SELECT coalesce(nullif(current_setting('idem.session_authorization', true), ''), \
+             current_setting('session_authorization')) AS a) AS authorized) AS saved";
 
 #[doc(hidden)]
 #[derive(Debug)]

@@ -515,6 +515,14 @@ pub mod sealed {
             committed: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
 
+        /// Whether a finish that failed with `error` may succeed if tried again:
+        /// the database was only busy. By default never.
+        #[doc(hidden)]
+        fn idem_finish_again(error: &sqlx::Error) -> bool {
+            let _ = error;
+            false
+        }
+
         /// Deletes up to `limit` completed rows whose `expires_at` has passed, in
         /// one short statement; returns how many went.
         #[doc(hidden)]

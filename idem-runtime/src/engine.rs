@@ -504,6 +504,7 @@ impl<DB: Backend> Idempotency<DB> {
         };
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
+        let lock = Duration::from_millis(claim.lock_ms.unsigned_abs());
         let (adopted, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
             Ok(Opened::Claimed(tx)) => (Open::adopt(tx), false, claim),
             Ok(Opened::Adopted(adopted)) => (adopted, false, claim),
@@ -526,19 +527,30 @@ impl<DB: Backend> Idempotency<DB> {
                         other => {
                             let error = other.err();
                             return self
-                                .claim_lost(&mut conn, id, lease, error, handler, repair, filler)
+                                .claim_lost(
+                                    &mut conn, id, lease, error, handler, repair, filler, lock,
+                                )
                                 .await;
                         }
                     }
                 }
                 Ok(None) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, None, handler, None, filler)
+                        .claim_lost(&mut conn, id, lease, None, handler, None, filler, lock)
                         .await;
                 }
                 Err(error) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, Some(error), handler, repair, filler)
+                        .claim_lost(
+                            &mut conn,
+                            id,
+                            lease,
+                            Some(error),
+                            handler,
+                            repair,
+                            filler,
+                            lock,
+                        )
                         .await;
                 }
             },
@@ -555,7 +567,6 @@ impl<DB: Backend> Idempotency<DB> {
         let open = Open::new(conn, adopted);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
-        let lock = Duration::from_millis(options.lock_millis().unsigned_abs());
         let limit = Some(self.inner.max_response_bytes);
         let cancelled = self.inner.lifecycle.cancelled();
         let (ran, open) = run_handler(open, handler, Some(lock), limit, lock, cancelled).await;
@@ -650,10 +661,9 @@ impl<DB: Backend> Idempotency<DB> {
             }
         };
         if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
-            // A claim left behind keeps the key busy until its lock passes, when a
-            // retry takes it over; session state left behind must not be pooled.
-            tracing::warn!(%error, "could not finish the claim");
+            // Session state left behind must not be pooled.
             conn.close_on_drop();
+            self.finish_later(error, id, lease, claimed_at + lock);
         }
         if !clean {
             // Whatever state the session is in, it is not handed to the next request.
@@ -663,6 +673,47 @@ impl<DB: Backend> Idempotency<DB> {
             self.inner.signals.publish(signal);
         }
         Step::Done(outcome, response)
+    }
+
+    /// A claim whose `finish` failed keeps its key busy until its lock passes, when
+    /// a retry takes it over. When the backend says the failure was the database
+    /// being busy (SQLite's one write lock, held by another writer for longer than
+    /// the busy timeout), the finish is tried again in the background, on a
+    /// connection of the pool, until it succeeds or `until` (the claim's lock) has
+    /// passed: the key is free as soon as the writer is, not at the end of the lock.
+    fn finish_later(&self, error: sqlx::Error, id: &Identity<'_>, lease: i64, until: Instant) {
+        if !DB::idem_finish_again(&error) {
+            tracing::warn!(%error, "could not finish the claim");
+            return;
+        }
+        tracing::info!(%error, "finishing the claim when the database lets go");
+        let store = self.clone();
+        let held = HeldKey::of(id);
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(5);
+            while Instant::now() < until {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(250));
+                let mut conn = match store.inner.pool.acquire().await {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        tracing::warn!(%error, "could not finish the claim");
+                        return;
+                    }
+                };
+                let id = held.id();
+                match DB::idem_finish(&mut conn, &store.inner.sql, &id, lease, false).await {
+                    Ok(()) => return,
+                    Err(error) if DB::idem_finish_again(&error) => {}
+                    Err(error) => {
+                        conn.close_on_drop();
+                        tracing::warn!(%error, "could not finish the claim");
+                        return;
+                    }
+                }
+            }
+            tracing::warn!("could not finish the claim before its lock passed");
+        });
     }
 
     /// Answers a request whose claim failed: from what the winner left (409 while it
@@ -678,6 +729,7 @@ impl<DB: Backend> Idempotency<DB> {
         handler: F,
         repair: Option<i64>,
         filler: Option<Filler<'_>>,
+        lock: Duration,
     ) -> Step<F> {
         let sql = &self.inner.sql;
         if let Some(error) = error {
@@ -692,8 +744,10 @@ impl<DB: Backend> Idempotency<DB> {
             }
             // A backend may have committed its claim before failing; and the
             // session may be left in any state, so it is not reused.
-            let _ = DB::idem_finish(conn, sql, id, lease, false).await;
             conn.close_on_drop();
+            if let Err(finish) = DB::idem_finish(conn, sql, id, lease, false).await {
+                self.finish_later(finish, id, lease, Instant::now() + lock);
+            }
             return self.store_failed(&error).into();
         }
         let cache = self.inner.replay_cache.as_ref();
@@ -1034,6 +1088,43 @@ async fn abort<DB: Backend>(
 
 /// A fresh lease token. Random, not a counter: a row deleted and claimed again must
 /// never hand an old executor's token to a new one.
+/// A request's identity, owned: for a finish left to the background.
+struct HeldKey {
+    scope: String,
+    key: String,
+    method: String,
+    path: String,
+    content_type: String,
+    fingerprint: [u8; 32],
+    digest: [u8; 32],
+}
+
+impl HeldKey {
+    fn of(id: &Identity<'_>) -> Self {
+        Self {
+            scope: id.scope.to_owned(),
+            key: id.key.to_owned(),
+            method: id.method.to_owned(),
+            path: id.path.to_owned(),
+            content_type: id.content_type.to_owned(),
+            fingerprint: *id.fingerprint,
+            digest: id.digest,
+        }
+    }
+
+    fn id(&self) -> Identity<'_> {
+        Identity {
+            scope: &self.scope,
+            key: &self.key,
+            method: &self.method,
+            path: &self.path,
+            content_type: &self.content_type,
+            fingerprint: &self.fingerprint,
+            digest: self.digest,
+        }
+    }
+}
+
 fn new_lease() -> i64 {
     i64::from_ne_bytes(random_u64().to_ne_bytes())
 }

@@ -248,6 +248,11 @@ impl Driver for Sqlite {
         Ok(())
     }
 
+    fn idem_finish_again(error: &sqlx::Error) -> bool {
+        // Another writer held the write lock past the busy timeout.
+        is_busy(error)
+    }
+
     async fn idem_sweep(
         conn: &mut SqliteConnection,
         sql: &Sql,

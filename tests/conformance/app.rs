@@ -173,7 +173,7 @@ async fn effect<H: Harness>(
                     }
                 }
                 if no_write {
-                    return (StatusCode::CREATED, "wrote nothing").into_response();
+                    return (status, "wrote nothing").into_response();
                 }
                 let id = match H::insert_effect(&mut tx, &scope, &note).await {
                     Ok(id) => id,

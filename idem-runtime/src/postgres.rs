@@ -532,10 +532,23 @@ impl Sql {
             "BEGIN"
         };
         let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        // PostgreSQL 17's `transaction_timeout` is armed when the transaction
+        // begins: a shorter default would end every keyed transaction before its
+        // lock, however often it is retried. Set to 0 first, it is disarmed; set
+        // again, it counts the lock from now.
+        let whole = if conn.server_version_num().is_some_and(|v| v >= 170_000) {
+            format!(
+                "set_config('transaction_timeout', '0', true), \
+                 set_config('transaction_timeout', '{lock_ms}', true), "
+            )
+        } else {
+            String::new()
+        };
         conn.begin_with(AssertSqlSafe(format!(
             "{begin}; \
              SELECT set_config('statement_timeout', '{lock_ms}', true), \
                     set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
+                    {whole}\
                     set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true), \
                     {}; \
              {HANDLER_SAVEPOINT}",

@@ -24,6 +24,10 @@ use crate::harness::{Harness, SessionChange};
 /// Where a case's statements say the handler writes its effect; last when absent.
 pub const EFFECT: &str = "EFFECT";
 
+/// `SLEEP <ms>` in a case's statements: the handler waits that long, inside its
+/// transaction, sending nothing (a card provider answering slowly).
+pub const SLEEP: &str = "SLEEP ";
+
 struct SessionApp<H: Harness> {
     store: Idempotency<H::DB>,
     cases: Arc<Vec<SessionChange>>,
@@ -83,6 +87,11 @@ async fn handler<H: Harness>(
             Box::pin(async move {
                 let mut id = 0;
                 for statement in &statements {
+                    if let Some(ms) = statement.strip_prefix(SLEEP) {
+                        let ms = ms.trim().parse().unwrap_or(0);
+                        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                        continue;
+                    }
                     let done = if statement == EFFECT {
                         H::insert_effect(&mut tx, &scope, "session").await.map(|n| {
                             id = n;
@@ -219,4 +228,85 @@ pub async fn handler_session_changes_never_reach_idem<H: Harness>() {
     }
     h.finish().await;
     assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
+/// PostgreSQL: every timeout a DBA may set shorter than an endpoint's `lock`
+/// (1.5 s here, as a role's or database's default; the lock is 30 s), against a
+/// handler that takes 2.5 s (a statement that long, or a wait between statements):
+/// the keyed transaction lives as long as its lock, and the answer is recorded
+/// once. `transaction_timeout` exists from PostgreSQL 17 on (CI runs 18).
+#[cfg(feature = "postgres")]
+async fn session_timeouts_shorter_than_the_lock<H: Harness<DB = sqlx::Postgres>>() {
+    use sqlx::postgres::PgPoolOptions;
+
+    let Some(h) = crate::start::<H>().await else {
+        return;
+    };
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(h.direct_pool())
+        .await
+        .expect("server version");
+    let mut timeouts = vec![
+        ("statement_timeout", "SELECT pg_sleep(2.5)"),
+        ("idle_in_transaction_session_timeout", "SLEEP 2500"),
+        ("lock_timeout", "SLEEP 2500"),
+    ];
+    if version >= 170_000 {
+        timeouts.push(("transaction_timeout", "SLEEP 2500"));
+    } else {
+        eprintln!("PostgreSQL {version} has no transaction_timeout: that case runs on 17+");
+    }
+    let mut failed = Vec::new();
+    for (n, (setting, wait)) in timeouts.iter().enumerate() {
+        // Straight to the server: a startup option is what a role's or database's
+        // default looks like to the session (a transaction pooler drops it).
+        let options = (*h.direct_pool().connect_options())
+            .clone()
+            .options([(*setting, "1500ms")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("a pool with a short timeout");
+        let store = h.instance_on(pool.clone()).build().expect("store");
+        let case = SessionChange {
+            name: format!("{setting} = 1500ms, handler {wait}"),
+            statements: vec![EFFECT.to_owned(), (*wait).to_owned()],
+            shadow: None,
+        };
+        let cases = Arc::new(vec![case.clone()]);
+        let app = Router::new()
+            .route("/effects", post(handler::<H>))
+            .with_state(SessionApp::<H> { store, cases });
+        let scope = format!("timeout-{n}");
+        let req = Req::post(&scope, "k-slow", BODY).header("x-case", 0);
+        let ran = AssertUnwindSafe(async {
+            let first = send(&app, &req).await;
+            assert_eq!(first.status, 201, "{}: {}", case.name, first.text());
+            let replay = send(&app, &req).await;
+            assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", case.name);
+            assert_eq!(replay.body, first.body, "{}", case.name);
+            assert_eq!(h.effects(&scope).await, 1, "{}", case.name);
+        })
+        .catch_unwind()
+        .await;
+        if ran.is_err() {
+            failed.push(case.name);
+        }
+        pool.close().await;
+    }
+    h.finish().await;
+    assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_session_timeouts_shorter_than_the_lock() {
+    session_timeouts_shorter_than_the_lock::<crate::harness::Pg>().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_partitioned_session_timeouts_shorter_than_the_lock() {
+    session_timeouts_shorter_than_the_lock::<crate::harness::PgParted>().await;
 }

@@ -81,6 +81,42 @@ const BEGIN_READ_COMMITTED: &str = "COMMIT; SET TRANSACTION ISOLATION LEVEL READ
 /// rolled back.
 const LATER_READ_ONLY: &str = "SET SESSION TRANSACTION READ ONLY";
 
+/// MariaDB's timeouts that would end a keyed transaction before its lock: the
+/// idle-in-transaction ones (which close the connection) and `max_statement_time`
+/// (which interrupts a statement). Saved and set to the lock with the claim, as
+/// `wait_timeout` is; written as an executable comment that only MariaDB 10.3+
+/// runs, since MySQL has none of them.
+const MARIADB_TIMEOUTS: [(&str, &str); 4] = [
+    ("idle_transaction_timeout", "@idem_idle_timeout"),
+    ("idle_write_transaction_timeout", "@idem_idle_write_timeout"),
+    (
+        "idle_readonly_transaction_timeout",
+        "@idem_idle_read_timeout",
+    ),
+    ("max_statement_time", "@idem_statement_time"),
+];
+
+/// The claim's part of `MARIADB_TIMEOUTS`: each saved, then set to `secs`.
+fn mariadb_timeouts(secs: i64) -> String {
+    let saved = MARIADB_TIMEOUTS
+        .iter()
+        .map(|(name, var)| format!(", {var} = @@SESSION.{name}"));
+    let set = MARIADB_TIMEOUTS
+        .iter()
+        .map(|(name, _)| format!(", SESSION {name} = {secs}"));
+    format!("/*M!100300 {} */", saved.chain(set).collect::<String>())
+}
+
+/// `finish`'s part of `MARIADB_TIMEOUTS`: each back to its saved value.
+const MARIADB_TIMEOUTS_BACK: &str = "/*M!100300 \
+    , idle_transaction_timeout = CAST(COALESCE(@idem_idle_timeout, \
+        @@SESSION.idle_transaction_timeout) AS UNSIGNED) \
+    , idle_write_transaction_timeout = CAST(COALESCE(@idem_idle_write_timeout, \
+        @@SESSION.idle_write_transaction_timeout) AS UNSIGNED) \
+    , idle_readonly_transaction_timeout = CAST(COALESCE(@idem_idle_read_timeout, \
+        @@SESSION.idle_readonly_transaction_timeout) AS UNSIGNED) \
+    , max_statement_time = COALESCE(@idem_statement_time, @@SESSION.max_statement_time) */";
+
 /// MySQL's "Cannot execute statement in a READ ONLY transaction".
 const READ_ONLY_TRANSACTION: u16 = 1792;
 
@@ -103,12 +139,15 @@ impl Driver for MySql {
     fn idem_sql(table: &str, _layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
         // The session's own settings back. Setting `autocommit` back to 1 would
         // commit an open transaction: it runs only once the handler's has ended.
-        let restore = "SET SESSION TRANSACTION READ WRITE; SET SESSION \
+        let restore = format!(
+            "SET SESSION TRANSACTION READ WRITE; SET SESSION \
                 autocommit = COALESCE(@idem_autocommit, @@SESSION.autocommit), \
                 wait_timeout = CAST(COALESCE(@idem_wait_timeout, @@SESSION.wait_timeout) AS UNSIGNED), \
                 innodb_lock_wait_timeout = CAST(COALESCE(@idem_lock_wait_timeout, \
-                    @@SESSION.innodb_lock_wait_timeout) AS UNSIGNED), \
-                @idem_released = RELEASE_LOCK(@idem_lock)";
+                    @@SESSION.innodb_lock_wait_timeout) AS UNSIGNED) \
+                {MARIADB_TIMEOUTS_BACK}, \
+                @idem_released = RELEASE_LOCK(@idem_lock)"
+        );
         let options = pool.connect_options();
         let database = options.get_database().unwrap_or_default();
         // The key table and the key's lock belong to the pool's database, not to
@@ -506,11 +545,13 @@ fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -
         "SET @idem_wait_timeout = @@SESSION.wait_timeout, \
              @idem_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout, \
              @idem_autocommit = @@SESSION.autocommit, SESSION autocommit = 0, \
-             SESSION wait_timeout = {wait_secs}, SESSION innodb_lock_wait_timeout = {wait_secs}, \
+             SESSION wait_timeout = {wait_secs}, SESSION innodb_lock_wait_timeout = {wait_secs} \
+             {}, \
              @idem_lock = {lock}, @idem_locked = GET_LOCK({lock}, 0), \
              @idem_at = UTC_TIMESTAMP(6), \
              @idem_until = UTC_TIMESTAMP(6) + INTERVAL {lock_us} MICROSECOND; \
-         COMMIT{then}"
+         COMMIT{then}",
+        mariadb_timeouts(wait_secs)
     )
 }
 

@@ -647,7 +647,8 @@ async fn not_executed_answers_release_the_key<H: Harness>() {
     assert!(h.key_rows("bob").await.is_empty());
 
     // A duplicate waiting on a first answered 429 claims the key and runs itself.
-    let key = "k-release-wait";
+    // Gates and start marks are the process's: a key of this run's own.
+    let key = &format!("k-release-wait-{}", unique_suffix());
     let req = Req::post("alice", key, BODY).header("x-wait-ms", 20_000);
     let first = {
         let (app, req) = (

@@ -26,20 +26,8 @@ impl My {
     /// A store on a pool of one connection whose sessions start with `init` (the
     /// application's own session settings).
     pub async fn store_with_session(&self, init: &'static str) -> (MySqlPool, Idempotency<MySql>) {
-        let url = std::env::var("IDEM_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-        let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_URL");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    sqlx::raw_sql(init).execute(conn).await?;
-                    Ok(())
-                })
-            })
-            .connect_with(options.database(&self.database))
-            .await
-            .expect("connect with session settings");
+        let options = (*self.plain.connect_options()).clone();
+        let pool = pool_running(options, 1, init.to_owned()).await;
         let store = Idempotency::new(pool.clone());
         (pool, store)
     }
@@ -59,20 +47,7 @@ impl My {
         .expect("another database");
         let moved = format!("USE {elsewhere}");
         let options = (*self.plain.connect_options()).clone();
-        let pool = MySqlPoolOptions::new()
-            .max_connections(2)
-            .after_connect(move |conn, _| {
-                let moved = moved.clone();
-                Box::pin(async move {
-                    sqlx::raw_sql(sqlx::AssertSqlSafe(moved))
-                        .execute(conn)
-                        .await?;
-                    Ok(())
-                })
-            })
-            .connect_with(options)
-            .await
-            .expect("connect, then move to another database");
+        let pool = pool_running(options, 2, moved).await;
         (Idempotency::new(pool), elsewhere)
     }
 
@@ -180,25 +155,7 @@ impl Harness for My {
             settings.push(format!("SET SESSION autocommit = {}", autocommit == "1"));
         }
         let settings = settings.join("; ");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(24)
-            .after_connect({
-                let settings = settings.clone();
-                move |conn, _| {
-                    let settings = settings.clone();
-                    Box::pin(async move {
-                        if !settings.is_empty() {
-                            sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
-                                .execute(conn)
-                                .await?;
-                        }
-                        Ok(())
-                    })
-                }
-            })
-            .connect_with(options.clone().database(&database))
-            .await
-            .expect("connect to test database");
+        let pool = pool_running(options.clone().database(&database), 24, settings.clone()).await;
         let plain = MySqlPoolOptions::new()
             .max_connections(8)
             .connect_with(options.database(&database))
@@ -464,23 +421,7 @@ impl Harness for My {
 
     async fn one_session_store(&self) -> (MySqlPool, Idempotency<MySql>) {
         let options = (*self.pool.connect_options()).clone();
-        let settings = self.settings.clone();
-        let pool = MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(move |conn, _| {
-                let settings = settings.clone();
-                Box::pin(async move {
-                    if !settings.is_empty() {
-                        sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
-                            .execute(conn)
-                            .await?;
-                    }
-                    Ok(())
-                })
-            })
-            .connect_with(options)
-            .await
-            .expect("a pool of one connection");
+        let pool = pool_running(options, 1, self.settings.clone()).await;
         let store = self.instance_on(pool.clone()).build().expect("store");
         (pool, store)
     }
@@ -513,6 +454,27 @@ impl Harness for My {
         self.plain.close().await;
         self.admin.close().await;
     }
+}
+
+/// A pool on `options` whose sessions run `init` (statements; none when empty) as
+/// they connect: an application's own session settings.
+async fn pool_running(options: MySqlConnectOptions, max: u32, init: String) -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(max)
+        .after_connect(move |conn, _| {
+            let init = init.clone();
+            Box::pin(async move {
+                if !init.is_empty() {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(init))
+                        .execute(conn)
+                        .await?;
+                }
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await
+        .expect("connect to the test database")
 }
 
 /// `$1`, `$2`, ... as MySQL's `?`, for statements that use each placeholder once,

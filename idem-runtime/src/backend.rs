@@ -375,6 +375,7 @@ pub mod sealed {
         #[doc(hidden)]
         fn idem_migrate<'c>(
             conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
             table: &'c str,
             scripts: &'c [(String, Applied)],
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;

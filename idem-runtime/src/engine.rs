@@ -1086,8 +1086,6 @@ async fn abort<DB: Backend>(
     }
 }
 
-/// A fresh lease token. Random, not a counter: a row deleted and claimed again must
-/// never hand an old executor's token to a new one.
 /// A request's identity, owned: for a finish left to the background.
 struct HeldKey {
     scope: String,
@@ -1125,6 +1123,8 @@ impl HeldKey {
     }
 }
 
+/// A fresh lease token. Random, not a counter: a row deleted and claimed again must
+/// never hand an old executor's token to a new one.
 fn new_lease() -> i64 {
     i64::from_ne_bytes(random_u64().to_ne_bytes())
 }

@@ -19,9 +19,10 @@ use crate::key::to_hex;
 use crate::tx::Open;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64. Named
-/// locks are the server's, not a database's: the session's database is part of
-/// the name. Every release of idem names a key's lock the same, so instances of
-/// two releases exclude each other during a rolling deploy.
+/// locks are the server's, not a database's: the database is part of the name
+/// (the pool's, see `lock_name`). Every release of idem names a key's lock the
+/// same for a session in that database, so instances of two releases exclude each
+/// other during a rolling deploy.
 const LOCK_NAME: &str =
     "CONCAT('idem:', LEFT(SHA2(CONCAT(COALESCE(DATABASE(), ''), ':', ?), 256), 40))";
 
@@ -218,9 +219,22 @@ impl Driver for MySql {
 
     async fn idem_migrate(
         conn: &mut MySqlConnection,
+        sql: &Sql,
         table: &str,
         scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {
+        // The table goes where every statement looks for it, the pool's database,
+        // also from a session the application moved to another (moved back after).
+        let mut moved = None;
+        if !sql.database.is_empty() {
+            let current: Option<String> = sqlx::query_scalar("SELECT DATABASE()")
+                .fetch_one(&mut *conn)
+                .await?;
+            if current.as_deref() != Some(&*sql.database) {
+                use_database(conn, &sql.database).await?;
+                moved = current;
+            }
+        }
         // DDL commits implicitly in MySQL: a named lock, not a transaction, keeps
         // instances that start together from racing.
         let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('idem:migrate', 60)")
@@ -235,6 +249,9 @@ impl Driver for MySql {
         sqlx::query("DO RELEASE_LOCK('idem:migrate')")
             .execute(&mut *conn)
             .await?;
+        if let Some(database) = moved {
+            use_database(conn, &database).await?;
+        }
         migrated
     }
 
@@ -474,6 +491,15 @@ impl Driver for MySql {
         tx.commit().await?;
         Ok(records)
     }
+}
+
+/// Makes `database` the session's.
+async fn use_database(conn: &mut MySqlConnection, database: &str) -> Result<(), sqlx::Error> {
+    let quoted = database.replace('`', "``");
+    sqlx::raw_sql(AssertSqlSafe(format!("USE `{quoted}`")))
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// Applies the scripts `table` lacks. A script that changes an existing table adds

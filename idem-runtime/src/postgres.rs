@@ -238,6 +238,7 @@ impl Driver for Postgres {
 
     async fn idem_migrate(
         conn: &mut PgConnection,
+        _sql: &Sql,
         table: &str,
         scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {

@@ -107,6 +107,7 @@ impl Driver for Sqlite {
 
     async fn idem_migrate(
         conn: &mut SqliteConnection,
+        _sql: &Sql,
         table: &str,
         scripts: &[(String, Applied)],
     ) -> Result<(), sqlx::Error> {

@@ -207,7 +207,13 @@ impl<DB: Backend> Idempotency<DB> {
     /// Any database error.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let mut conn = self.inner.pool.acquire().await?;
-        DB::idem_migrate(&mut conn, &self.inner.table, &self.migrations()).await
+        DB::idem_migrate(
+            &mut conn,
+            &self.inner.sql,
+            &self.inner.table,
+            &self.migrations(),
+        )
+        .await
     }
 }
 

@@ -315,6 +315,23 @@ async fn mysql_claims_take_the_lock_every_release_takes() {
         ["k-lock-0", "k-lock-1"],
         "both in the pool's database"
     );
+    // `migrate()` on such a session creates the table there too, and leaves the
+    // session where the application put it.
+    let pool = h.store_moved_by_session_pool(&elsewhere).await;
+    let store = idem::Idempotency::builder(pool.clone())
+        .table("moved_keys")
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let in_pool_database = "SELECT COUNT(*) FROM information_schema.TABLES \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'moved_keys'";
+    assert_eq!(h.count(in_pool_database, &[]).await, 1);
+    let session: Option<String> = sqlx::query_scalar("SELECT DATABASE()")
+        .fetch_one(&pool)
+        .await
+        .expect("the session's database");
+    assert_eq!(session.as_deref(), Some(elsewhere.as_str()));
+    pool.close().await;
     h.finish().await;
 }
 

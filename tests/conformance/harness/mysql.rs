@@ -45,10 +45,14 @@ impl My {
         .execute(&self.admin)
         .await
         .expect("another database");
-        let moved = format!("USE {elsewhere}");
-        let options = (*self.plain.connect_options()).clone();
-        let pool = pool_running(options, 2, moved).await;
+        let pool = self.store_moved_by_session_pool(&elsewhere).await;
         (Idempotency::new(pool), elsewhere)
+    }
+
+    /// A pool configured for the test's database whose sessions `USE` `elsewhere`.
+    pub async fn store_moved_by_session_pool(&self, elsewhere: &str) -> MySqlPool {
+        let options = (*self.plain.connect_options()).clone();
+        pool_running(options, 2, format!("USE {elsewhere}")).await
     }
 
     /// Takes, on a session of its own in the test's database, the named lock that

@@ -281,6 +281,7 @@ async fn session_timeouts_shorter_than_the_lock<H: Harness<DB = sqlx::Postgres>>
 
 /// Runs one key whose handler writes, then does `wait`, on `store`: `false`
 /// (and the failure printed) unless it is answered 201, once, and replayed.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn outlives<H: Harness>(
     h: &H,
     store: Idempotency<H::DB>,

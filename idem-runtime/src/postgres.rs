@@ -9,6 +9,7 @@ use std::sync::Arc;
 use futures_util::future::{Either, select};
 use sqlx::postgres::{PgListener, PgPool};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row as _, Transaction};
+use sqlx_core::transaction::TransactionManager as _;
 use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
@@ -79,10 +80,17 @@ const SESSION_STATE: [&str; 4] = [
     "default_transaction_read_only",
 ];
 
+/// Whether the transaction still carries the claim's `idem.locked` (see
+/// [`Sql::still_open`]).
+const STILL_LOCKED: &str = "SELECT coalesce(current_setting('idem.locked', true), '') = 'true'";
+
 /// Restores [`SESSION_STATE`] (see there); the record's first statement. A
 /// setting is set only when it changed: setting the authorization or the role
-/// costs the server catalog look-ups and a report to the client.
+/// costs the server catalog look-ups and a report to the client. Its first column,
+/// `held`, says whether the transaction is still the one the claim opened (see
+/// [`Sql::still_open`]).
 const RESTORE_SESSION: &str = "SELECT \
+     coalesce(current_setting('idem.locked', true), '') = 'true' AS held, \
      CASE WHEN current_setting('role') <> r THEN set_config('role', r, false) END, \
      CASE WHEN current_setting('search_path') <> p THEN set_config('search_path', p, false) END, \
      CASE WHEN current_setting('default_transaction_read_only') <> d \
@@ -396,10 +404,16 @@ impl Driver for Postgres {
     ) -> Result<Written, sqlx::Error> {
         let restored = sqlx::query(RESTORE_SESSION)
             .persistent(sql.prepared)
-            .execute(&mut *conn)
+            .fetch_one(&mut *conn)
             .await;
         match restored {
-            Ok(_) => {}
+            Ok(row) => {
+                let held: bool = row.try_get("held")?;
+                if !held && !sql.still_open(conn, id).await? {
+                    sql.ended(conn, id, claim.lease, claim.ttl_ms).await?;
+                    return Ok(Written::Ended);
+                }
+            }
             // The handler caught a database error and answered anyway: what it
             // wrote is void, as PostgreSQL voids an aborted transaction's writes.
             // The claim, taken after the savepoint, went with it, but the key's
@@ -419,6 +433,36 @@ impl Driver for Postgres {
         record(conn, sql, id, claim.lease, &response, announce)
             .await
             .map(Written::held)
+    }
+
+    async fn idem_rollback(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        lease: i64,
+    ) -> Result<bool, sqlx::Error> {
+        // Only a transaction that is still the claim's is rolled back; one the
+        // handler ended itself may have committed some of its writes.
+        let held = sqlx::query_scalar::<_, bool>(STILL_LOCKED)
+            .persistent(sql.prepared)
+            .fetch_one(&mut *conn)
+            .await;
+        let ours = match held {
+            Ok(true) => true,
+            // Aborted by a failed statement: still the claim's transaction.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => true,
+            Ok(false) => sql.still_open(conn, id).await?,
+            Err(error) => return Err(error),
+        };
+        if ours {
+            <Postgres as sqlx::Database>::TransactionManager::rollback(conn).await?;
+            return Ok(false);
+        }
+        // The endpoint's ttl is not known here: the row written for a claim the
+        // handler rolled back keeps the default one.
+        sql.ended(conn, id, lease, crate::Options::new().ttl_millis())
+            .await?;
+        Ok(true)
     }
 
     async fn idem_lock_left(
@@ -556,6 +600,90 @@ impl Sql {
             saved_session()
         )))
         .await
+    }
+
+    /// Whether the session still holds the key's advisory lock, i.e. is still in the
+    /// transaction the claim opened: asked when its setting `idem.locked` is gone,
+    /// which a handler's `COMMIT` or `ROLLBACK` ends, and so does a `RESET ALL`.
+    async fn still_open(
+        &self,
+        conn: &mut PgConnection,
+        id: &Identity<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        let lock = lock_id(&self.table, "$1");
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM (SELECT {lock} AS k) s \
+             JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+              AND l.pid = pg_backend_pid() \
+              AND l.classid = ((s.k >> 32) & 4294967295)::oid \
+              AND l.objid = (s.k & 4294967295)::oid)"
+        )))
+        .persistent(false)
+        .bind(advisory_key(id))
+        .fetch_one(conn)
+        .await
+    }
+
+    /// The handler ended the claim's transaction itself (`COMMIT`, `ROLLBACK`, `END`,
+    /// `ABORT`, `… AND CHAIN`): what it wrote before may be committed, and what it
+    /// wrote after committed statement by statement. The key must never run again:
+    /// its row becomes a completed 500 with no body (`transaction-ended`), in a
+    /// transaction of idem's own under the key's lock. When another executor holds
+    /// the key by now (the lock went with the transaction), its row is left to it.
+    async fn ended(
+        &self,
+        conn: &mut PgConnection,
+        id: &Identity<'_>,
+        lease: i64,
+        ttl_ms: i64,
+    ) -> Result<(), sqlx::Error> {
+        tracing::error!("the handler ended its own transaction; the key keeps transaction-ended");
+        let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        // A chained transaction (`COMMIT AND CHAIN`) is ended first; then the
+        // transaction sqlx still counts is idem's own, and its commit ends it.
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ROLLBACK; {BEGIN_READ_COMMITTED}; \
+             SELECT set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true)"
+        )))
+        .execute(&mut *conn)
+        .await?;
+        let table = &self.table;
+        let mark = format!(
+            "UPDATE {table} SET state = 'completed', status = 500, headers = NULL, body = NULL \
+             WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 AND {LOCKED}"
+        );
+        let marked = sqlx::query(AssertSqlSafe(mark.clone()))
+            .persistent(false)
+            .bind(id.scope)
+            .bind(id.key)
+            .bind(lease)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        // No row of this claim: the handler rolled it back, then went on writing.
+        if marked == 0 {
+            let fresh = Claim {
+                lease,
+                lock_ms: 1,
+                ttl_ms,
+                replace: false,
+            };
+            match self.take(conn, id, fresh).await {
+                Ok(true) => {
+                    sqlx::query(AssertSqlSafe(mark))
+                        .persistent(false)
+                        .bind(id.scope)
+                        .bind(id.key)
+                        .bind(lease)
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Ok(false) => {}
+                Err(error) if lost_race(&error) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        <Postgres as sqlx::Database>::TransactionManager::commit(conn).await
     }
 
     /// Claims the key in a transaction [`opening`](Self::opening) opened: `false`

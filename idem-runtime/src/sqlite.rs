@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
+use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, sealed::Driver,
@@ -180,6 +181,9 @@ impl Driver for Sqlite {
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
+        if ended(conn, sql, id, claim.lease).await? {
+            return Ok(Written::Ended);
+        }
         let record = || {
             sqlx::query(AssertSqlSafe(sql.record.clone()))
                 .bind(id.scope)
@@ -206,6 +210,19 @@ impl Driver for Sqlite {
             done => done?,
         };
         Ok(Written::held(done.rows_affected() == 1))
+    }
+
+    async fn idem_rollback(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        id: &Identity<'_>,
+        lease: i64,
+    ) -> Result<bool, sqlx::Error> {
+        if ended(conn, sql, id, lease).await? {
+            return Ok(true);
+        }
+        <Sqlite as sqlx::Database>::TransactionManager::rollback(conn).await?;
+        Ok(false)
     }
 
     async fn idem_lock_left(
@@ -359,6 +376,41 @@ async fn claim_row(
         .execute(&mut *conn)
         .await?;
     outcome
+}
+
+/// Whether the handler ended its own transaction (`COMMIT`, `END`, `ROLLBACK`):
+/// SQLite then ran what it sent next statement by statement, so some of its writes
+/// may be committed, outside the record. A `BEGIN` tells: refused inside a
+/// transaction, it opens one outside. When it was ended, the claim's row (committed
+/// before the handler ran) becomes a completed 500 with no body, answered
+/// `transaction-ended` for the key's ttl, in the transaction that `BEGIN` opened,
+/// which sqlx counts as the handler's and commits: the key never runs again.
+async fn ended(
+    conn: &mut SqliteConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+    lease: i64,
+) -> Result<bool, sqlx::Error> {
+    match sqlx::raw_sql("BEGIN").execute(&mut *conn).await {
+        Err(sqlx::Error::Database(error)) if error.message().contains("within a transaction") => {
+            return Ok(false);
+        }
+        Err(error) => return Err(error),
+        Ok(_) => {}
+    }
+    tracing::error!("the handler ended its own transaction; the key keeps transaction-ended");
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {} SET state = 'completed', status = 500, headers = NULL, body = NULL \
+         WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 AND state = 'processing'",
+        sql.table
+    )))
+    .bind(id.scope)
+    .bind(id.key)
+    .bind(lease)
+    .execute(&mut *conn)
+    .await?;
+    <Sqlite as sqlx::Database>::TransactionManager::commit(conn).await?;
+    Ok(true)
 }
 
 /// A write refused because the session is read-only (`SQLITE_READONLY`): the

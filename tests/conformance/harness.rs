@@ -157,6 +157,11 @@ pub trait Harness: Send + Sync + Sized + 'static {
         }
     }
 
+    /// Statements a handler may send that end its own transaction (a commit or a
+    /// rollback), after which the database runs what it sends next outside it.
+    /// MySQL's whole class is `ended.rs`'s.
+    const ENDING_STATEMENTS: &'static [&'static str];
+
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
 

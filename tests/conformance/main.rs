@@ -69,7 +69,10 @@ use realistic::{
     idem_extractors_work_in_any_handler, nested_routes_keep_their_identity,
     storms_over_two_instances_execute_each_key_once,
 };
-use session::handler_session_changes_never_reach_idem;
+use session::{
+    handler_session_changes_never_reach_idem,
+    handlers_that_end_their_own_transaction_never_run_twice,
+};
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
@@ -1339,4 +1342,5 @@ conformance!(
     forgotten_keys_run_again,
     a_failed_database_ends_the_copies,
     handler_session_changes_never_reach_idem,
+    handlers_that_end_their_own_transaction_never_run_twice,
 );

@@ -230,6 +230,86 @@ pub async fn handler_session_changes_never_reach_idem<H: Harness>() {
     assert!(failed.is_empty(), "failed (see above): {failed:#?}");
 }
 
+/// A handler that ends its own transaction (`COMMIT`, `ROLLBACK` and their
+/// kin), with a write before it and one after, answering 201 or 500: some of what
+/// it wrote may be committed, outside the record. The key keeps 500
+/// `transaction-ended` and its retry never runs the handler again, whatever
+/// committed.
+pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>() {
+    let Some(h) = crate::start::<H>().await else {
+        return;
+    };
+    let cases: Vec<SessionChange> = H::ENDING_STATEMENTS
+        .iter()
+        .map(|statement| SessionChange {
+            name: (*statement).to_owned(),
+            statements: vec![
+                EFFECT.to_owned(),
+                (*statement).to_owned(),
+                EFFECT.to_owned(),
+            ],
+            shadow: None,
+        })
+        .collect();
+    let cases = Arc::new(cases);
+    let app = Router::new()
+        .route("/effects", post(handler::<H>))
+        .with_state(SessionApp::<H> {
+            store: h.store().clone(),
+            cases: cases.clone(),
+        });
+    let mut failed = Vec::new();
+    for status in [201, 500] {
+        for (n, case) in cases.iter().enumerate() {
+            let name = format!("{} then {status}", case.name);
+            let scope = format!("ends-{n}-{status}");
+            let req = Req::post(&scope, "k-ends", BODY);
+            let ran = AssertUnwindSafe(async {
+                let first = send(
+                    &app,
+                    &req.clone().header("x-case", n).header("x-status", status),
+                )
+                .await;
+                let after_first = h.effects(&scope).await;
+                // Were it run, the retry would write and commit once more.
+                let retry = send(&app, &req).await;
+                assert_eq!(h.effects(&scope).await, after_first, "{name}: ran again");
+                assert_eq!(
+                    first.outcome,
+                    Some(Outcome::TransactionEnded),
+                    "{name}: {}",
+                    first.text()
+                );
+                assert_eq!(retry.status, 500, "{name}: {}", retry.text());
+                assert_eq!(
+                    retry.problem().as_deref(),
+                    Some("transaction-ended"),
+                    "{name}"
+                );
+                let rows = h.key_rows(&scope).await;
+                assert_eq!(rows.len(), 1, "{name}");
+                assert_eq!(
+                    (rows[0].1.state.as_str(), rows[0].1.status),
+                    ("completed", Some(500)),
+                    "{name}"
+                );
+            })
+            .catch_unwind()
+            .await;
+            if ran.is_err() {
+                failed.push(name);
+            }
+        }
+    }
+    assert_eq!(
+        h.open_transactions().await,
+        0,
+        "a session left in a transaction"
+    );
+    h.finish().await;
+    assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
 /// PostgreSQL: every timeout a DBA may set shorter than an endpoint's `lock`
 /// (1.5 s here, as a role's or database's default; the lock is 30 s), against a
 /// handler that takes 2.5 s (a statement that long, or a wait between statements):

@@ -112,6 +112,9 @@ impl Harness for My {
     const LOCK_WAITS: &'static str = "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
          WHERE DB = DATABASE() AND LOWER(STATE) = 'updating'";
 
+    // The whole class, each kind and answer, is `ended.rs`'s.
+    const ENDING_STATEMENTS: &'static [&'static str] = &["COMMIT", "BEGIN"];
+
     const BEGIN_READ_COMMITTED: &'static str =
         "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 

@@ -59,6 +59,15 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     const ERROR_VOIDS_TRANSACTION: bool = true;
 
+    const ENDING_STATEMENTS: &'static [&'static str] = &[
+        "COMMIT",
+        "END",
+        "COMMIT AND CHAIN",
+        "ROLLBACK",
+        "ABORT",
+        "ROLLBACK AND CHAIN",
+    ];
+
     async fn start(max_response_bytes: usize) -> Option<Self> {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());

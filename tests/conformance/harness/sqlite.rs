@@ -45,6 +45,8 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
 
     const STALLED_WRITER_BLOCKS_TAKEOVER: bool = true;
 
+    const ENDING_STATEMENTS: &'static [&'static str] = &["COMMIT", "END", "ROLLBACK"];
+
     async fn start(max_response_bytes: usize) -> Option<Self> {
         let path = std::env::temp_dir().join(format!("{}.db", unique("idem_test")));
         let pool = SqlitePoolOptions::new()

@@ -4,6 +4,10 @@
 //! the same connection) must not depend on any of it: every answer is recorded
 //! with its writes, once, in idem's own table, and the session goes back to the
 //! pool as idem can use it again.
+//!
+//! The same handler serves the neighbouring cases of the database acting behind
+//! the handler's back: a transaction the handler ends itself (`COMMIT`,
+//! `ROLLBACK`), and session timeouts shorter than the endpoint's lock.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;

@@ -456,9 +456,9 @@ pub mod sealed {
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
-            lease: i64,
+            claim: Claim,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c {
-            let _ = (sql, id, lease);
+            let _ = (sql, id, claim);
             async move {
                 <Self::TransactionManager as sqlx_core::transaction::TransactionManager>::rollback(
                     conn,

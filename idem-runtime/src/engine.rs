@@ -635,7 +635,7 @@ impl<DB: Backend> Idempotency<DB> {
                     Err(error) => {
                         let conn;
                         let ended;
-                        (conn, clean, ended) = abort(open, sql, id, lease).await;
+                        (conn, clean, ended) = abort(open, sql, id, claim).await;
                         let (outcome, response) = if ended {
                             self.ended()
                         } else if claimed_at.elapsed() >= lock {
@@ -651,7 +651,7 @@ impl<DB: Backend> Idempotency<DB> {
             }
             ran => {
                 let (conn, ended);
-                (conn, clean, ended) = abort(open, sql, id, lease).await;
+                (conn, clean, ended) = abort(open, sql, id, claim).await;
                 let (outcome, response) = if ended {
                     self.ended()
                 } else {
@@ -1075,9 +1075,9 @@ async fn abort<DB: Backend>(
     mut open: Open<DB>,
     sql: &DB::IdemSql,
     id: &Identity<'_>,
-    lease: i64,
+    claim: Claim,
 ) -> (PoolConnection<DB>, bool, bool) {
-    match DB::idem_rollback(&mut open, sql, id, lease).await {
+    match DB::idem_rollback(&mut open, sql, id, claim).await {
         Ok(ended) => (open.into_conn(), true, ended),
         Err(error) => {
             tracing::warn!(%error, "rollback failed");

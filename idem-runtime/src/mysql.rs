@@ -386,9 +386,9 @@ impl Driver for MySql {
         conn: &'c mut MySqlConnection,
         sql: &'c Sql,
         id: &'c Identity<'c>,
-        lease: i64,
+        claim: Claim,
     ) -> Result<bool, sqlx::Error> {
-        ended(conn, sql, id, lease).await
+        ended(conn, sql, id, claim.lease).await
     }
 
     async fn idem_lock_left(

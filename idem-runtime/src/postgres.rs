@@ -439,7 +439,7 @@ impl Driver for Postgres {
         conn: &mut PgConnection,
         sql: &Sql,
         id: &Identity<'_>,
-        lease: i64,
+        claim: Claim,
     ) -> Result<bool, sqlx::Error> {
         // Only a transaction that is still the claim's is rolled back; one the
         // handler ended itself may have committed some of its writes.
@@ -458,10 +458,7 @@ impl Driver for Postgres {
             <Postgres as sqlx::Database>::TransactionManager::rollback(conn).await?;
             return Ok(false);
         }
-        // The endpoint's ttl is not known here: the row written for a claim the
-        // handler rolled back keeps the default one.
-        sql.ended(conn, id, lease, crate::Options::new().ttl_millis())
-            .await?;
+        sql.ended(conn, id, claim.lease, claim.ttl_ms).await?;
         Ok(true)
     }
 

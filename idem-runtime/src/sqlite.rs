@@ -216,9 +216,9 @@ impl Driver for Sqlite {
         conn: &mut SqliteConnection,
         sql: &Sql,
         id: &Identity<'_>,
-        lease: i64,
+        claim: Claim,
     ) -> Result<bool, sqlx::Error> {
-        if ended(conn, sql, id, lease).await? {
+        if ended(conn, sql, id, claim.lease).await? {
             return Ok(true);
         }
         <Sqlite as sqlx::Database>::TransactionManager::rollback(conn).await?;

@@ -86,6 +86,7 @@ async fn handler<H: Harness>(
         .and_then(|s| s.parse::<u16>().ok())
         .and_then(|s| StatusCode::from_u16(s).ok())
         .unwrap_or(StatusCode::CREATED);
+    let panics = header("x-panic").is_some();
     request
         .run(&scope.clone(), Options::new(), move |mut tx| {
             Box::pin(async move {
@@ -108,6 +109,7 @@ async fn handler<H: Harness>(
                         return (status, format!("{statement}: {error}")).into_response();
                     }
                 }
+                assert!(!panics, "the handler panics after its statements");
                 (status, format!("effect {id} of {scope}")).into_response()
             })
         })
@@ -235,8 +237,8 @@ pub async fn handler_session_changes_never_reach_idem<H: Harness>() {
 }
 
 /// A handler that ends its own transaction (`COMMIT`, `ROLLBACK` and their
-/// kin), with a write before it and one after, answering 201 or 500: some of what
-/// it wrote may be committed, outside the record. The key keeps 500
+/// kin), with a write before it and one after, answering 201 or 500, or
+/// panicking: some of what it wrote may be committed, outside the record. The key keeps 500
 /// `transaction-ended` and its retry never runs the handler again, whatever
 /// committed.
 pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>() {
@@ -263,17 +265,18 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
             cases: cases.clone(),
         });
     let mut failed = Vec::new();
-    for status in [201, 500] {
+    for end in ["201", "500", "panic"] {
         for (n, case) in cases.iter().enumerate() {
-            let name = format!("{} then {status}", case.name);
-            let scope = format!("ends-{n}-{status}");
+            let name = format!("{} then {end}", case.name);
+            let scope = format!("ends-{n}-{end}");
             let req = Req::post(&scope, "k-ends", BODY);
+            let first = req.clone().header("x-case", n);
+            let first = match end {
+                "panic" => first.header("x-panic", 1),
+                status => first.header("x-status", status),
+            };
             let ran = AssertUnwindSafe(async {
-                let first = send(
-                    &app,
-                    &req.clone().header("x-case", n).header("x-status", status),
-                )
-                .await;
+                let first = send(&app, &first).await;
                 let after_first = h.effects(&scope).await;
                 // Were it run, the retry would write and commit once more.
                 let retry = send(&app, &req).await;

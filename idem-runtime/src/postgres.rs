@@ -658,26 +658,39 @@ impl Sql {
             .await?
             .rows_affected();
         // No row of this claim: the handler rolled it back, then went on writing.
+        // The key is claimed again (over the expired or abandoned row a takeover
+        // had replaced, or anew) and marked; a live row is another executor's.
         if marked == 0 {
-            let fresh = Claim {
+            let over = Claim {
                 lease,
                 lock_ms: 1,
                 ttl_ms,
-                replace: false,
+                replace: true,
             };
-            match self.take(conn, id, fresh).await {
-                Ok(true) => {
-                    sqlx::query(AssertSqlSafe(mark))
-                        .persistent(false)
-                        .bind(id.scope)
-                        .bind(id.key)
-                        .bind(lease)
-                        .execute(&mut *conn)
-                        .await?;
-                }
-                Ok(false) => {}
-                Err(error) if lost_race(&error) => {}
-                Err(error) => return Err(error),
+            let taken = self.take(conn, id, over).await?
+                || match self
+                    .take(
+                        conn,
+                        id,
+                        Claim {
+                            replace: false,
+                            ..over
+                        },
+                    )
+                    .await
+                {
+                    Ok(taken) => taken,
+                    Err(error) if lost_race(&error) => false,
+                    Err(error) => return Err(error),
+                };
+            if taken {
+                sqlx::query(AssertSqlSafe(mark))
+                    .persistent(false)
+                    .bind(id.scope)
+                    .bind(id.key)
+                    .bind(lease)
+                    .execute(&mut *conn)
+                    .await?;
             }
         }
         <Postgres as sqlx::Database>::TransactionManager::commit(conn).await

@@ -265,11 +265,23 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
             cases: cases.clone(),
         });
     let mut failed = Vec::new();
-    for end in ["201", "500", "panic"] {
+    // Also over a crashed executor's claim, taken over: a rollback undoes the
+    // takeover too.
+    for (end, stale) in [
+        ("201", false),
+        ("500", false),
+        ("panic", false),
+        ("500", true),
+    ] {
         for (n, case) in cases.iter().enumerate() {
-            let name = format!("{} then {end}", case.name);
-            let scope = format!("ends-{n}-{end}");
+            let over = if stale { ", taken over" } else { "" };
+            let name = format!("{} then {end}{over}", case.name);
+            let scope = format!("ends-{n}-{end}-{stale}");
             let req = Req::post(&scope, "k-ends", BODY);
+            if stale {
+                h.insert_stale_claim(&scope, "k-ends", "POST", "/effects", BODY.as_bytes())
+                    .await;
+            }
             let first = req.clone().header("x-case", n);
             let first = match end {
                 "panic" => first.header("x-panic", 1),

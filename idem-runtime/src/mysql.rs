@@ -84,31 +84,25 @@ const LATER_READ_ONLY: &str = "SET SESSION TRANSACTION READ ONLY";
 
 /// MariaDB's timeouts that would end a keyed transaction before its lock: the
 /// idle-in-transaction ones (which close the connection) and `max_statement_time`
-/// (which interrupts a statement). Saved and set to the lock with the claim, as
-/// `wait_timeout` is; written as an executable comment that only MariaDB 10.3+
-/// runs, since MySQL has none of them.
-const MARIADB_TIMEOUTS: [(&str, &str); 4] = [
-    ("idle_transaction_timeout", "@idem_idle_timeout"),
-    ("idle_write_transaction_timeout", "@idem_idle_write_timeout"),
-    (
-        "idle_readonly_transaction_timeout",
-        "@idem_idle_read_timeout",
-    ),
-    ("max_statement_time", "@idem_statement_time"),
-];
-
-/// The claim's part of `MARIADB_TIMEOUTS`: each saved, then set to `secs`.
+/// (which interrupts a statement). The claim saves each and sets it to `secs`,
+/// the lock, as it does `wait_timeout`, in an executable comment that only
+/// MariaDB 10.3+ runs, since MySQL has none of them; `MARIADB_TIMEOUTS_BACK`
+/// restores them.
 fn mariadb_timeouts(secs: i64) -> String {
-    let saved = MARIADB_TIMEOUTS
-        .iter()
-        .map(|(name, var)| format!(", {var} = @@SESSION.{name}"));
-    let set = MARIADB_TIMEOUTS
-        .iter()
-        .map(|(name, _)| format!(", SESSION {name} = {secs}"));
-    format!("/*M!100300 {} */", saved.chain(set).collect::<String>())
+    format!(
+        "/*M!100300 \
+         , @idem_idle_timeout = @@SESSION.idle_transaction_timeout \
+         , @idem_idle_write_timeout = @@SESSION.idle_write_transaction_timeout \
+         , @idem_idle_read_timeout = @@SESSION.idle_readonly_transaction_timeout \
+         , @idem_statement_time = @@SESSION.max_statement_time \
+         , SESSION idle_transaction_timeout = {secs} \
+         , SESSION idle_write_transaction_timeout = {secs} \
+         , SESSION idle_readonly_transaction_timeout = {secs} \
+         , SESSION max_statement_time = {secs} */"
+    )
 }
 
-/// `finish`'s part of `MARIADB_TIMEOUTS`: each back to its saved value.
+/// `finish`'s part of `mariadb_timeouts`: each back to its saved value.
 const MARIADB_TIMEOUTS_BACK: &str = "/*M!100300 \
     , idle_transaction_timeout = CAST(COALESCE(@idem_idle_timeout, \
         @@SESSION.idle_transaction_timeout) AS UNSIGNED) \

@@ -42,13 +42,22 @@ fn lock_id(table: &str, seed: &str) -> String {
 fn lock_left(table: &str) -> String {
     format!(
         "SELECT ($2 - coalesce((extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8, 0))::int8 \
-         FROM (SELECT {} AS k) s \
+         FROM {} \
+         LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
+        held_lock(table, "$1")
+    )
+}
+
+/// `pg_locks` rows `l` of the advisory lock of key `seed` in `table`, granted to
+/// whichever session of this database holds it, as a `FROM` item.
+fn held_lock(table: &str, seed: &str) -> String {
+    format!(
+        "(SELECT {} AS k) s \
          JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
           AND l.classid = ((s.k >> 32) & 4294967295)::oid \
-          AND l.objid = (s.k & 4294967295)::oid \
-         LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
-        lock_id(table, "$1")
+          AND l.objid = (s.k & 4294967295)::oid",
+        lock_id(table, seed)
     )
 }
 
@@ -65,26 +74,27 @@ const UPGRADE_2: Migration = Migration {
 const HANDLER_SAVEPOINT: &str = "SAVEPOINT idem_handler";
 const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 
-/// The session state idem's statements after the handler depend on, as
-/// [`Sql::opening`] saved it before the handler ran: the record must find idem's
+/// Saves, in settings of the transaction (`idem.<name>`), the session state idem's
+/// statements after the handler depend on; [`Sql::opening`] sends it before the
+/// handler runs, and [`RESTORE_SESSION`] reads it back: the record must find idem's
 /// table (`search_path`) and may write it (the role), whatever the handler set
 /// for its tenant, locally or for the session. A setting the handler changed goes
 /// back to its saved value for the session, so that it does not outlive the
 /// transaction either; an empty save (a `RESET ALL` in the handler cleared it)
 /// keeps the current value. The authorization comes back first: it decides which
 /// roles may be set (the FROM item is evaluated before the target list).
-const SESSION_STATE: [&str; 4] = [
-    "session_authorization",
-    "role",
-    "search_path",
-    "default_transaction_read_only",
-];
+const SAVE_SESSION: &str = "\
+    set_config('idem.session_authorization', current_setting('session_authorization'), true), \
+    set_config('idem.role', current_setting('role'), true), \
+    set_config('idem.search_path', current_setting('search_path'), true), \
+    set_config('idem.default_transaction_read_only', \
+        current_setting('default_transaction_read_only'), true)";
 
 /// Whether the transaction still carries the claim's `idem.locked` (see
 /// [`Sql::still_open`]).
 const STILL_LOCKED: &str = "SELECT coalesce(current_setting('idem.locked', true), '') = 'true'";
 
-/// Restores [`SESSION_STATE`] (see there); the record's first statement. A
+/// Restores what [`SAVE_SESSION`] saved (see there); the record's first statement. A
 /// setting is set only when it changed: setting the authorization or the role
 /// costs the server catalog look-ups and a report to the client. Its first column,
 /// `held`, says whether the transaction is still the one the claim opened (see
@@ -592,9 +602,8 @@ impl Sql {
                     set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
                     {whole}\
                     set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true), \
-                    {}; \
-             {HANDLER_SAVEPOINT}",
-            saved_session()
+                    {SAVE_SESSION}; \
+             {HANDLER_SAVEPOINT}"
         )))
         .await
     }
@@ -607,13 +616,9 @@ impl Sql {
         conn: &mut PgConnection,
         id: &Identity<'_>,
     ) -> Result<bool, sqlx::Error> {
-        let lock = lock_id(&self.table, "$1");
         sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM (SELECT {lock} AS k) s \
-             JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-              AND l.pid = pg_backend_pid() \
-              AND l.classid = ((s.k >> 32) & 4294967295)::oid \
-              AND l.objid = (s.k & 4294967295)::oid)"
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE l.pid = pg_backend_pid())",
+            held_lock(&self.table, "$1")
         )))
         .persistent(false)
         .bind(advisory_key(id))
@@ -716,16 +721,6 @@ impl Sql {
             .await?;
         Ok(claimed.is_some())
     }
-}
-
-/// `set_config` calls that save [`SESSION_STATE`] in settings of the transaction
-/// (`idem.<name>`), for [`RESTORE_SESSION`].
-fn saved_session() -> String {
-    SESSION_STATE
-        .iter()
-        .map(|name| format!("set_config('idem.{name}', current_setting('{name}'), true)"))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// A claim that failed because another executor took the key since this

@@ -44,20 +44,49 @@ fn lock_left(table: &str) -> String {
         "SELECT ($2 - coalesce((extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8, 0))::int8 \
          FROM {} \
          LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
-        held_lock(table, "$1")
+        held_lock(table, "$1", "IN (1, 2)")
     )
 }
 
 /// `pg_locks` rows `l` of the advisory lock of key `seed` in `table`, granted to
-/// whichever session of this database holds it, as a `FROM` item.
-fn held_lock(table: &str, seed: &str) -> String {
+/// whichever session of this database holds it, as a `FROM` item. `forms`
+/// selects by `objsubid`: 1 is the transaction lock (taken with one `int8`), 2 the
+/// session lock ([`session_lock`]).
+fn held_lock(table: &str, seed: &str, forms: &str) -> String {
     format!(
         "(SELECT {} AS k) s \
-         JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+         JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.objsubid {forms} \
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
           AND l.classid = ((s.k >> 32) & 4294967295)::oid \
           AND l.objid = (s.k & 4294967295)::oid",
         lock_id(table, seed)
+    )
+}
+
+/// The arguments of the key's session lock, for lock id `key`: its 64 bits as the
+/// two `int4` PostgreSQL's two-key advisory functions take. The two-key form is
+/// a lock of its own (`objsubid` 2), apart from the transaction lock on the same
+/// bits: a claim takes the transaction lock, then this one; a duplicate needs
+/// both. The session lock outlives a transaction the handler ends itself
+/// (`COMMIT`, `ROLLBACK`), so that duplicates stay out until idem has marked the
+/// key `transaction-ended`; idem releases it in the last statement it sends
+/// inside the claim's transaction on every path, or in its own after an end.
+fn session_lock(key: &str) -> String {
+    format!("(({key}) >> 32)::int4, ((({key}) << 32) >> 32)::int4")
+}
+
+/// The claim's lock id, as [`Sql::opening`] kept it in the transaction's setting
+/// `idem.key` when it takes the session lock: statements after the handler find
+/// it whatever `search_path` the handler left.
+const KEPT_KEY: &str = "current_setting('idem.key', true)::int8";
+
+/// Releases the key's session lock when the transaction still holds the claim's
+/// (`idem.locked`), as a value; `also`, a further condition.
+fn release_if_locked(also: &str) -> String {
+    format!(
+        "CASE WHEN coalesce(current_setting('idem.locked', true), '') = 'true'{also} \
+         THEN pg_advisory_unlock({}) END",
+        session_lock(KEPT_KEY)
     )
 }
 
@@ -76,7 +105,7 @@ const BACK_TO_HANDLER_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_handler";
 
 /// Saves, in settings of the transaction (`idem.<name>`), the session state idem's
 /// statements after the handler depend on; [`Sql::opening`] sends it before the
-/// handler runs, and [`RESTORE_SESSION`] reads it back: the record must find idem's
+/// handler runs, and [`restore_session`] reads it back: the record must find idem's
 /// table (`search_path`) and may write it (the role), whatever the handler set
 /// for its tenant, locally or for the session. A setting the handler changed goes
 /// back to its saved value for the session, so that it does not outlive the
@@ -91,16 +120,32 @@ const SAVE_SESSION: &str = "\
         current_setting('default_transaction_read_only'), true)";
 
 /// Whether the transaction still carries the claim's `idem.locked` (see
-/// [`Sql::still_open`]).
-const STILL_LOCKED: &str = "SELECT coalesce(current_setting('idem.locked', true), '') = 'true'";
+/// [`Sql::still_open`]); `release`, when not empty, is a second column that lets
+/// the key's session lock go if it does.
+fn still_locked(release: &str) -> String {
+    let release = if release.is_empty() {
+        String::new()
+    } else {
+        format!(", {release}")
+    };
+    format!("SELECT coalesce(current_setting('idem.locked', true), '') = 'true'{release}")
+}
 
 /// Restores what [`SAVE_SESSION`] saved (see there); the record's first statement. A
 /// setting is set only when it changed: setting the authorization or the role
 /// costs the server catalog look-ups and a report to the client. Its first column,
 /// `held`, says whether the transaction is still the one the claim opened (see
-/// [`Sql::still_open`]).
-const RESTORE_SESSION: &str = "SELECT \
-     coalesce(current_setting('idem.locked', true), '') = 'true' AS held, \
+/// [`Sql::still_open`]); `release`, when not empty, is a value computed with it
+/// (the session lock let go).
+fn restore_session(release: &str) -> String {
+    let release = if release.is_empty() {
+        String::new()
+    } else {
+        format!("{release}, ")
+    };
+    format!(
+        "SELECT \
+     coalesce(current_setting('idem.locked', true), '') = 'true' AS held, {release}\
      CASE WHEN current_setting('role') <> r THEN set_config('role', r, false) END, \
      CASE WHEN current_setting('search_path') <> p THEN set_config('search_path', p, false) END, \
      CASE WHEN current_setting('default_transaction_read_only') <> d \
@@ -114,7 +159,9 @@ const RESTORE_SESSION: &str = "SELECT \
          CASE WHEN current_setting('session_authorization') <> a \
               THEN set_config('session_authorization', a, false) END \
          FROM (SELECT coalesce(nullif(current_setting('idem.session_authorization', true), ''), \
-             current_setting('session_authorization')) AS a) AS authorized) AS saved";
+             current_setting('session_authorization')) AS a) AS authorized) AS saved"
+    )
+}
 
 #[doc(hidden)]
 #[derive(Debug)]
@@ -134,6 +181,18 @@ pub struct Sql {
     /// Statements stay prepared on their connection: not through a transaction
     /// pooler, where every statement is sent unprepared and inside a transaction.
     prepared: bool,
+    /// Claims also take the key's session lock ([`session_lock`]): whenever the
+    /// connection is the session's own, i.e. not through a transaction pooler,
+    /// which would hand a lock that outlives a transaction to another client.
+    /// Then the statements above that claim release it when they do not.
+    session: bool,
+    /// [`restore_session`]; with the session lock, released.
+    restore: Arc<str>,
+    /// [`still_locked`]; with the session lock, released.
+    still_locked: Arc<str>,
+    /// Whether the session holds the key's transaction lock (seed `$1`), and with
+    /// the session lock, releases that when it does.
+    still_open: Arc<str>,
     table: Box<str>,
 }
 
@@ -196,17 +255,50 @@ impl Driver for Postgres {
                     clock_timestamp() + $8::float8 * interval '1 millisecond', \
                     clock_timestamp(), $9"
         );
+        let session = !layout.transaction_pooled;
+        // With the session lock, a statement that could claim lets the lock go
+        // when it did not.
+        let release = |claimed: &str| {
+            if session {
+                let not_claimed = format!(" AND NOT EXISTS (SELECT 1 FROM {claimed})");
+                format!(", {} AS released", release_if_locked(&not_claimed))
+            } else {
+                String::new()
+            }
+        };
         let open = (!partitioned).then(|| {
             format!(
                 "WITH found AS MATERIALIZED ({lookup}), \
                  claimed AS ({insert} \
                     WHERE NOT EXISTS (SELECT 1 FROM found) AND {LOCKED} \
                     RETURNING lease) \
-                 SELECT (SELECT lease FROM claimed) AS claimed, found.* \
-                 FROM (VALUES (1)) AS one (x) LEFT JOIN found ON true"
+                 SELECT (SELECT lease FROM claimed) AS claimed{}, found.* \
+                 FROM (VALUES (1)) AS one (x) LEFT JOIN found ON true",
+                release("claimed")
             )
             .into()
         });
+        let claiming = |claim: String| -> Arc<str> {
+            if session {
+                format!(
+                    "WITH claimed AS ({claim} RETURNING lease) \
+                     SELECT (SELECT lease FROM claimed) AS lease{}",
+                    release("claimed")
+                )
+            } else {
+                format!("{claim} RETURNING lease")
+            }
+            .into()
+        };
+        let released = if session {
+            release_if_locked("")
+        } else {
+            String::new()
+        };
+        let held_here = format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE l.pid = pg_backend_pid())",
+            held_lock(table, "$1", "= 1")
+        );
         let record = format!(
             "UPDATE {table} SET state = 'completed', status = $4, headers = $5, body = $6 \
              WHERE scope = $1 AND idempotency_key = $2 AND lease = $3 \
@@ -216,11 +308,24 @@ impl Driver for Postgres {
             partitioned,
             open,
             prepared: !layout.transaction_pooled,
+            session,
+            restore: restore_session(&released).into(),
+            still_locked: still_locked(&released).into(),
+            still_open: if session {
+                format!(
+                    "SELECT held, CASE WHEN held THEN pg_advisory_unlock({}) END \
+                     FROM ({held_here}) AS open (held)",
+                    session_lock(&lock_id(table, "$1"))
+                )
+            } else {
+                held_here
+            }
+            .into(),
             table: table.into(),
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
-            claim_new: format!("{insert} WHERE {new_guard} RETURNING lease").into(),
-            claim_over: format!(
+            claim_new: claiming(format!("{insert} WHERE {new_guard}")),
+            claim_over: claiming(format!(
                 "UPDATE {table} SET state = 'processing', lease = $3, method = $4, path = $5, \
                         fingerprint = $6, content_type = $9, status = NULL, headers = NULL, \
                         body = NULL, \
@@ -230,10 +335,8 @@ impl Driver for Postgres {
                  WHERE scope = $1 AND idempotency_key = $2 \
                    AND (expires_at <= clock_timestamp() \
                         OR (state = 'processing' AND locked_until <= clock_timestamp())) \
-                   AND {LOCKED} \
-                 RETURNING lease"
-            )
-            .into(),
+                   AND {LOCKED}"
+            )),
             record: record.as_str().into(),
             // NOTIFY is delivered at commit, and only then: a waiter woken by it
             // finds the record.
@@ -327,15 +430,23 @@ impl Driver for Postgres {
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         match sql.take(&mut tx, id, claim).await {
             Ok(true) => Ok(Some(tx)),
+            // The statement let the session lock go.
             Ok(false) => {
                 tx.rollback().await?;
                 Ok(None)
             }
             Err(error) if lost_race(&error) => {
-                tx.rollback().await?;
+                sql.give_up(tx, id).await?;
                 Ok(None)
             }
-            Err(error) => Err(error),
+            Err(error) => {
+                // The session must not keep the key's lock: the error goes back
+                // to the engine, which may pool the connection again.
+                if let Err(release) = sql.give_up(tx, id).await {
+                    tracing::debug!(%release, "could not let a failed claim go");
+                }
+                Err(error)
+            }
         }
     }
 
@@ -360,17 +471,22 @@ impl Driver for Postgres {
         let row = match row {
             Ok(row) => row,
             Err(error) if lost_race(&error) => {
-                tx.rollback().await?;
+                sql.give_up(tx, id).await?;
                 return Ok(Opened::Lost);
             }
-            Err(error) => return Err(error),
+            Err(error) => {
+                if let Err(release) = sql.give_up(tx, id).await {
+                    tracing::debug!(%release, "could not let a failed claim go");
+                }
+                return Err(error);
+            }
         };
         if row.try_get::<Option<i64>, _>("claimed")?.is_some() {
             return Ok(Opened::Claimed(tx));
         }
-        // Nothing was written: the rollback goes out at the connection's next use
-        // (for a replay, the pool's check on release, after the answer) instead of
-        // delaying the answer.
+        // Nothing was written, and the statement let the session lock go: the
+        // rollback goes out at the connection's next use (for a replay, the
+        // pool's check on release, after the answer) instead of delaying the answer.
         drop(tx);
         if row.try_get::<Option<String>, _>("state")?.is_none() {
             // Not visible yet, and the lock is taken: another executor is at work.
@@ -412,7 +528,9 @@ impl Driver for Postgres {
         response: Recorded<'c>,
         announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
-        let restored = sqlx::query(RESTORE_SESSION)
+        // With the session lock, this lets it go: the transaction lock holds the
+        // key until the commit.
+        let restored = sqlx::query(AssertSqlSafe(sql.restore.clone()))
             .persistent(sql.prepared)
             .fetch_one(&mut *conn)
             .await;
@@ -437,6 +555,7 @@ impl Driver for Postgres {
                 if !sql.take(conn, id, claim).await? {
                     return Ok(Written::LeaseLost);
                 }
+                sql.release(conn, id).await?;
             }
             Err(error) => return Err(error),
         }
@@ -453,19 +572,26 @@ impl Driver for Postgres {
     ) -> Result<bool, sqlx::Error> {
         // Only a transaction that is still the claim's is rolled back; one the
         // handler ended itself may have committed some of its writes.
-        let held = sqlx::query_scalar::<_, bool>(STILL_LOCKED)
+        // With the session lock, these let it go when the transaction is ours.
+        let held = sqlx::query(AssertSqlSafe(sql.still_locked.clone()))
             .persistent(sql.prepared)
             .fetch_one(&mut *conn)
-            .await;
-        let ours = match held {
-            Ok(true) => true,
+            .await
+            .and_then(|row| row.try_get::<bool, _>(0));
+        let (ours, released) = match held {
+            Ok(true) => (true, true),
             // Aborted by a failed statement: still the claim's transaction.
-            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => true,
-            Ok(false) => sql.still_open(conn, id).await?,
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
+                (true, false)
+            }
+            Ok(false) => (sql.still_open(conn, id).await?, true),
             Err(error) => return Err(error),
         };
         if ours {
             <Postgres as sqlx::Database>::TransactionManager::rollback(conn).await?;
+            if !released {
+                sql.release(conn, id).await?;
+            }
             return Ok(false);
         }
         sql.ended(conn, id, claim.lease, claim.ttl_ms).await?;
@@ -596,34 +722,87 @@ impl Sql {
         } else {
             String::new()
         };
+        // The session lock is tried only once the transaction lock is held, so
+        // that a claim holds both or neither.
+        let locked = if self.session {
+            format!(
+                "set_config('idem.key', key.k::text, true), \
+                 set_config('idem.locked', (CASE WHEN pg_try_advisory_xact_lock(key.k) \
+                     THEN pg_try_advisory_lock({}) ELSE false END)::text, true)",
+                session_lock("key.k")
+            )
+        } else {
+            "set_config('idem.locked', pg_try_advisory_xact_lock(key.k)::text, true)".to_owned()
+        };
         conn.begin_with(AssertSqlSafe(format!(
             "{begin}; \
              SELECT set_config('statement_timeout', '{lock_ms}', true), \
                     set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
                     {whole}\
-                    set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true), \
-                    {SAVE_SESSION}; \
+                    {locked}, \
+                    {SAVE_SESSION} \
+             FROM (SELECT {lock} AS k) AS key; \
              {HANDLER_SAVEPOINT}"
         )))
         .await
     }
 
-    /// Whether the session still holds the key's advisory lock, i.e. is still in the
-    /// transaction the claim opened: asked when its setting `idem.locked` is gone,
-    /// which a handler's `COMMIT` or `ROLLBACK` ends, and so does a `RESET ALL`.
+    /// Whether the session still holds the key's transaction lock, i.e. is still in
+    /// the transaction the claim opened: asked when its setting `idem.locked` is
+    /// gone, which a handler's `COMMIT` or `ROLLBACK` ends, and so does a `RESET
+    /// ALL`. If it is, the session lock is let go.
     async fn still_open(
         &self,
         conn: &mut PgConnection,
         id: &Identity<'_>,
     ) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM {} WHERE l.pid = pg_backend_pid())",
-            held_lock(&self.table, "$1")
-        )))
-        .persistent(false)
-        .bind(advisory_key(id))
-        .fetch_one(conn)
-        .await
+        sqlx::query(AssertSqlSafe(self.still_open.clone()))
+            .persistent(false)
+            .bind(advisory_key(id))
+            .fetch_one(conn)
+            .await?
+            .try_get(0)
+    }
+
+    /// Lets the key's session lock go, if this session holds it: after a
+    /// statement that would have done so failed. Rare paths only: the lock is
+    /// looked up in `pg_locks`.
+    async fn release(&self, conn: &mut PgConnection, id: &Identity<'_>) -> Result<(), sqlx::Error> {
+        if self.session {
+            sqlx::raw_sql(AssertSqlSafe(self.releasing(id)))
+                .execute(conn)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// The statement of [`release`](Self::release); its literals are integers and
+    /// the configured table name.
+    fn releasing(&self, id: &Identity<'_>) -> String {
+        format!(
+            "SELECT pg_advisory_unlock({}) FROM {} WHERE l.pid = pg_backend_pid()",
+            session_lock("s.k"),
+            held_lock(&self.table, &format!("'{}'::int8", advisory_key(id)), "= 2")
+        )
+    }
+
+    /// Rolls back a claim's transaction whose claim statement failed, and lets the
+    /// key's session lock go: back to the savepoint taken before the claim, so
+    /// that the transaction takes statements again, in one round trip.
+    async fn give_up(
+        &self,
+        mut tx: Transaction<'_, Postgres>,
+        id: &Identity<'_>,
+    ) -> Result<(), sqlx::Error> {
+        if self.session {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "{BACK_TO_HANDLER_SAVEPOINT}; {}",
+                self.releasing(id)
+            )))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.rollback().await
     }
 
     /// The handler ended the claim's transaction itself (`COMMIT`, `ROLLBACK`, `END`,
@@ -641,11 +820,25 @@ impl Sql {
     ) -> Result<(), sqlx::Error> {
         tracing::error!("the handler ended its own transaction; the key keeps transaction-ended");
         let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        // With the session lock still held, no other executor can hold the key:
+        // the transaction lock is waited for (a duplicate holds it only while it
+        // finds the session lock taken). Without, it is only tried.
+        let locked = if self.session {
+            format!(
+                "SET LOCAL lock_timeout = '{ENDED_LOCK_WAIT_MS}'; \
+                 SELECT set_config('idem.locked', 'true', true), \
+                        set_config('idem.key', ({lock})::text, true) \
+                 FROM (SELECT pg_advisory_xact_lock({lock})) AS taken"
+            )
+        } else {
+            format!(
+                "SELECT set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true)"
+            )
+        };
         // A chained transaction (`COMMIT AND CHAIN`) is ended first; then the
         // transaction sqlx still counts is idem's own, and its commit ends it.
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "ROLLBACK; {BEGIN_READ_COMMITTED}; \
-             SELECT set_config('idem.locked', pg_try_advisory_xact_lock({lock})::text, true)"
+            "ROLLBACK; {BEGIN_READ_COMMITTED}; {locked}"
         )))
         .execute(&mut *conn)
         .await?;
@@ -698,7 +891,9 @@ impl Sql {
                     .await?;
             }
         }
-        <Postgres as sqlx::Database>::TransactionManager::commit(conn).await
+        <Postgres as sqlx::Database>::TransactionManager::commit(&mut *conn).await?;
+        // Only now that the mark is committed may a duplicate look.
+        self.release(conn, id).await
     }
 
     /// Claims the key in a transaction [`opening`](Self::opening) opened: `false`
@@ -719,7 +914,11 @@ impl Sql {
             .persistent(self.prepared)
             .fetch_optional(conn)
             .await?;
-        Ok(claimed.is_some())
+        // With the session lock, one row whose lease is null when nothing was claimed.
+        match claimed {
+            Some(row) => Ok(row.try_get::<Option<i64>, _>(0)?.is_some()),
+            None => Ok(false),
+        }
     }
 }
 
@@ -778,6 +977,10 @@ async fn record(
 fn advisory_key(id: &Identity<'_>) -> i64 {
     i64::from_be_bytes(signal_of(&id.digest).to_be_bytes())
 }
+
+/// How long idem waits for a key's transaction lock to mark it `transaction-ended`
+/// (see [`Sql::ended`]): a duplicate holds it for a moment only.
+const ENDED_LOCK_WAIT_MS: u32 = 30_000;
 
 /// The channel completions of waiting endpoints are announced on; the payload is the
 /// key's signal in decimal.

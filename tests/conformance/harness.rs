@@ -162,6 +162,12 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// MySQL's whole class is `ended.rs`'s.
     const ENDING_STATEMENTS: &'static [&'static str];
 
+    /// Whether a key stays held after a handler ended its transaction itself
+    /// (see `session::duplicates_never_run_while_a_handler_has_ended_its_transaction`).
+    fn holds_keys_past_their_transaction(&self) -> bool {
+        true
+    }
+
     /// Connections of this test's database still inside a transaction.
     fn open_transactions(&self) -> impl Future<Output = i64> + Send;
 

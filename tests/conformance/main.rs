@@ -70,6 +70,7 @@ use realistic::{
     storms_over_two_instances_execute_each_key_once,
 };
 use session::{
+    duplicates_never_run_while_a_handler_has_ended_its_transaction,
     handler_session_changes_never_reach_idem,
     handlers_that_end_their_own_transaction_never_run_twice,
 };
@@ -1343,4 +1344,5 @@ conformance!(
     a_failed_database_ends_the_copies,
     handler_session_changes_never_reach_idem,
     handlers_that_end_their_own_transaction_never_run_twice,
+    duplicates_never_run_while_a_handler_has_ended_its_transaction,
 );

@@ -11,6 +11,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{FromRef, State};
@@ -20,6 +21,7 @@ use axum::routing::post;
 use futures_util::FutureExt as _;
 use idem::axum::IdempotentRequest;
 use idem::{Idempotency, Options, Outcome};
+use tokio::sync::Notify;
 
 use crate::BODY;
 use crate::app::{Req, send};
@@ -32,9 +34,31 @@ pub const EFFECT: &str = "EFFECT";
 /// transaction, sending nothing (a card provider answering slowly).
 pub const SLEEP: &str = "SLEEP ";
 
+/// `PAUSE` in a case's statements: the handler tells the test it got there
+/// ([`Gate::reached`]) and waits until the test lets it go on ([`Gate::resume`]).
+pub const PAUSE: &str = "PAUSE";
+
+/// Where a handler pauses; a permit is kept when nobody waits yet.
+#[derive(Default)]
+struct Gate {
+    reached: Notify,
+    resume: Notify,
+}
+
 struct SessionApp<H: Harness> {
     store: Idempotency<H::DB>,
     cases: Arc<Vec<SessionChange>>,
+    gate: Arc<Gate>,
+}
+
+impl<H: Harness> SessionApp<H> {
+    fn new(store: Idempotency<H::DB>, cases: Arc<Vec<SessionChange>>) -> Self {
+        Self {
+            store,
+            cases,
+            gate: Arc::default(),
+        }
+    }
 }
 
 impl<H: Harness> Clone for SessionApp<H> {
@@ -42,6 +66,7 @@ impl<H: Harness> Clone for SessionApp<H> {
         Self {
             store: self.store.clone(),
             cases: self.cases.clone(),
+            gate: self.gate.clone(),
         }
     }
 }
@@ -87,6 +112,7 @@ async fn handler<H: Harness>(
         .and_then(|s| StatusCode::from_u16(s).ok())
         .unwrap_or(StatusCode::CREATED);
     let panics = header("x-panic").is_some();
+    let gate = app.gate.clone();
     request
         .run(&scope.clone(), Options::new(), move |mut tx| {
             Box::pin(async move {
@@ -94,7 +120,12 @@ async fn handler<H: Harness>(
                 for statement in &statements {
                     if let Some(ms) = statement.strip_prefix(SLEEP) {
                         let ms = ms.trim().parse().unwrap_or(0);
-                        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        continue;
+                    }
+                    if statement == PAUSE {
+                        gate.reached.notify_one();
+                        gate.resume.notified().await;
                         continue;
                     }
                     let done = if statement == EFFECT {
@@ -219,10 +250,7 @@ pub async fn handler_session_changes_never_reach_idem<H: Harness>() {
             let (pool, store) = h.one_session_store().await;
             let app = Router::new()
                 .route("/effects", post(handler::<H>))
-                .with_state(SessionApp::<H> {
-                    store,
-                    cases: cases.clone(),
-                });
+                .with_state(SessionApp::<H>::new(store, cases.clone()));
             let ran = AssertUnwindSafe(one_case(&h, &app, &pool, n, case, status))
                 .catch_unwind()
                 .await;
@@ -260,10 +288,7 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
     let cases = Arc::new(cases);
     let app = Router::new()
         .route("/effects", post(handler::<H>))
-        .with_state(SessionApp::<H> {
-            store: h.store().clone(),
-            cases: cases.clone(),
-        });
+        .with_state(SessionApp::<H>::new(h.store().clone(), cases.clone()));
     let mut failed = Vec::new();
     // Also over a crashed executor's claim, taken over: a rollback undoes the
     // takeover too.
@@ -318,6 +343,116 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
             if ran.is_err() {
                 failed.push(name);
             }
+        }
+    }
+    assert_eq!(
+        h.open_transactions().await,
+        0,
+        "a session left in a transaction"
+    );
+    h.finish().await;
+    assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
+/// A handler that ends its own transaction and then goes on working (a write
+/// after a `ROLLBACK` commits on its own): a duplicate that arrives meanwhile
+/// never runs. It is answered 409 `in-flight` (or, where the database committed
+/// the key's ended mark with the handler's `COMMIT`, 500 `transaction-ended`),
+/// and once the handler is done the key keeps `transaction-ended`.
+pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: Harness>() {
+    let Some(h) = crate::start::<H>().await else {
+        return;
+    };
+    // Through a transaction pooler, PostgreSQL's hold on a key lives in the
+    // transaction (docs/deployment.md): there, only the statements that commit
+    // the claim with the handler's writes keep duplicates out.
+    let holds = h.holds_keys_past_their_transaction();
+    let statements: Vec<&str> = H::ENDING_STATEMENTS
+        .iter()
+        .copied()
+        .filter(|s| holds || s.starts_with("COMMIT") || *s == "END")
+        .collect();
+    let cases: Vec<SessionChange> = statements
+        .iter()
+        .map(|statement| SessionChange {
+            name: (*statement).to_owned(),
+            statements: vec![
+                EFFECT.to_owned(),
+                (*statement).to_owned(),
+                PAUSE.to_owned(),
+                EFFECT.to_owned(),
+            ],
+            shadow: None,
+        })
+        .collect();
+    let state = SessionApp::<H>::new(h.store().clone(), Arc::new(cases.clone()));
+    let gate = state.gate.clone();
+    let app = Router::new()
+        .route("/effects", post(handler::<H>))
+        .with_state(state);
+    let mut failed = Vec::new();
+    for (n, case) in cases.iter().enumerate() {
+        let name = &case.name;
+        let scope = format!("window-{n}");
+        let req = Req::post(&scope, "k-window", BODY);
+        let first = req.clone().header("x-case", n).header("x-status", 201);
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, &first).await }
+        });
+        let reached = tokio::time::timeout(Duration::from_secs(30), gate.reached.notified()).await;
+        assert!(
+            reached.is_ok(),
+            "{name}: the handler never got past its statement"
+        );
+        let ran = AssertUnwindSafe(async {
+            let before = h.effects(&scope).await;
+            // Were it run, the duplicate would write and commit once more.
+            let duplicate = send(&app, &req).await;
+            assert_eq!(h.effects(&scope).await, before, "{name}: the duplicate ran");
+            let answer = (duplicate.status, duplicate.problem());
+            assert!(
+                answer == (409, Some("in-flight".to_owned()))
+                    || answer == (500, Some("transaction-ended".to_owned())),
+                "{name}: the duplicate: {} {}",
+                duplicate.status,
+                duplicate.text()
+            );
+        })
+        .catch_unwind()
+        .await;
+        gate.resume.notify_one();
+        let first = first.await.expect("the first request");
+        let ran = ran.is_ok()
+            && AssertUnwindSafe(async {
+                assert_eq!(
+                    first.outcome,
+                    Some(Outcome::TransactionEnded),
+                    "{name}: {}",
+                    first.text()
+                );
+                let after_first = h.effects(&scope).await;
+                let retry = send(&app, &req).await;
+                assert_eq!(h.effects(&scope).await, after_first, "{name}: ran again");
+                assert_eq!(
+                    (retry.status, retry.problem().as_deref()),
+                    (500, Some("transaction-ended")),
+                    "{name}: {}",
+                    retry.text()
+                );
+                let rows = h.key_rows(&scope).await;
+                assert_eq!(rows.len(), 1, "{name}");
+                assert_eq!(
+                    (rows[0].1.state.as_str(), rows[0].1.status),
+                    ("completed", Some(500)),
+                    "{name}"
+                );
+            })
+            .catch_unwind()
+            .await
+            .is_ok();
+        if !ran {
+            failed.push(name.clone());
         }
     }
     assert_eq!(
@@ -395,10 +530,7 @@ async fn outlives<H: Harness>(
     };
     let app = Router::new()
         .route("/effects", post(handler::<H>))
-        .with_state(SessionApp::<H> {
-            store,
-            cases: Arc::new(vec![case]),
-        });
+        .with_state(SessionApp::<H>::new(store, Arc::new(vec![case])));
     let scope = format!("timeout-{n}");
     let req = Req::post(&scope, "k-slow", BODY).header("x-case", 0);
     AssertUnwindSafe(async {

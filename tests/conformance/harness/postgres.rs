@@ -59,6 +59,11 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     const ERROR_VOIDS_TRANSACTION: bool = true;
 
+    // A session-level lock cannot outlive a transaction through a pooler.
+    fn holds_keys_past_their_transaction(&self) -> bool {
+        !self.pooled
+    }
+
     const ENDING_STATEMENTS: &'static [&'static str] = &[
         "COMMIT",
         "END",
@@ -489,6 +494,19 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
     }
 
     async fn finish(self) {
+        // A key's session lock left on a pooled connection would hold that key
+        // for the connection's life: once every answer is out, none is held by a
+        // session outside a transaction. (Inside one, a claim may still be at work.)
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND a.state = 'idle' \
+               AND (a.application_name = $1 OR a.datname = $1)",
+        )
+        .bind(&self.schema)
+        .fetch_one(&self.admin)
+        .await
+        .expect("read pg_locks");
+        assert_eq!(left, 0, "sessions keep a key's session lock");
         self.pool.close().await;
         self.other_pool.close().await;
         self.direct.close().await;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -35,6 +35,9 @@ struct App {
     store: Idempotency<Sqlite>,
     /// Executions left to fail with 500 (rolled back, key released).
     fail: Arc<AtomicU32>,
+    /// Statuses the next executions answer after writing, in order: a handler's
+    /// own "not executed, try later" (rolled back, key released).
+    refuse: Arc<std::sync::Mutex<Vec<u16>>>,
     /// Completed executions whose response is lost on the way back (the proxy
     /// answers 502 although the payment committed).
     lose: Arc<AtomicU32>,
@@ -54,12 +57,19 @@ async fn pay(State(app): State<App>, mut tx: Tx<Sqlite>, body: String) -> Respon
         .fail
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
         .is_ok();
+    let refused = app.refuse.lock().ok().and_then(|mut left| left.pop());
     let inserted = sqlx::query("INSERT INTO payments (body) VALUES (?1) RETURNING id")
         .bind(&body)
         .fetch_one(&mut *tx)
         .await;
     match inserted {
         _ if failing => (StatusCode::INTERNAL_SERVER_ERROR, "provider down").into_response(),
+        _ if refused.is_some() => {
+            let status = refused
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+            (status, [(header::RETRY_AFTER, "0")], "later").into_response()
+        }
         Ok(row) => {
             let id: i64 = sqlx::Row::get(&row, 0);
             (StatusCode::CREATED, format!(r#"{{"id":{id}}}"#)).into_response()
@@ -143,6 +153,7 @@ impl Server {
         let app = App {
             store,
             fail: Arc::default(),
+            refuse: Arc::default(),
             lose: Arc::default(),
             started: Arc::default(),
         };
@@ -289,6 +300,29 @@ async fn server_errors_are_retried_with_the_same_key() {
         server.payments().await,
         1,
         "the failed attempts left nothing"
+    );
+    assert_eq!(server.keys().await, 1, "one key across all attempts");
+}
+
+/// 408, 425 and 429 mean "not executed, try later": the server recorded none
+/// (the write the handler made first was rolled back, the key released), and the
+/// client sends again with the same key until it executes, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_executed_answers_are_retried_with_the_same_key() {
+    let server = Server::new().await;
+    let (listener, addr) = listen().await;
+    server.serve(listener);
+    // Popped from the end: 429 first.
+    *server.app.refuse.lock().expect("refuse") = vec![408, 425, 429];
+    let mut http = client(quick());
+    let answer = post_to(&mut http, &addr, "/pay", "later").await;
+    assert_eq!(answer.status, 201);
+    assert_eq!(answer.receipt.attempts(), 4, "{:?}", answer.receipt);
+    assert!(!answer.receipt.replayed());
+    assert_eq!(
+        server.payments().await,
+        1,
+        "the refused attempts left nothing"
     );
     assert_eq!(server.keys().await, 1, "one key across all attempts");
 }

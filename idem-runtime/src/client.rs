@@ -7,6 +7,9 @@
 //! - a transport error of the inner service (connection refused, reset, timed out);
 //! - `409 Conflict` (the first attempt is still in flight on the server), no sooner
 //!   than its `Retry-After`;
+//! - `408 Request Timeout`, `425 Too Early` and `429 Too Many Requests` (not
+//!   executed, try later: an idem server records none of them by default, see
+//!   [`Options::release_on`](crate::Options::release_on)), no sooner than their `Retry-After` if they have one;
 //! - any `5xx` (the server rolled the attempt back, or could not tell), no sooner
 //!   than its `Retry-After` if it has one;
 //!
@@ -339,7 +342,14 @@ fn pause_after(
     attempts: u32,
     policy: &RetryPolicy,
 ) -> Option<Duration> {
-    if status != StatusCode::CONFLICT && !status.is_server_error() {
+    let later = matches!(
+        status,
+        StatusCode::CONFLICT
+            | StatusCode::REQUEST_TIMEOUT
+            | StatusCode::TOO_EARLY
+            | StatusCode::TOO_MANY_REQUESTS
+    );
+    if !later && !status.is_server_error() {
         return None;
     }
     let asked = headers
@@ -411,14 +421,14 @@ mod tests {
     #[test]
     fn only_conflicts_and_server_errors_are_retried() {
         let policy = RetryPolicy::new().base_delay(Duration::from_millis(10));
-        for final_status in [200, 201, 204, 302, 400, 401, 402, 404, 413, 422, 429] {
+        for final_status in [200, 201, 204, 302, 400, 401, 402, 404, 413, 422] {
             assert_eq!(
                 pause_after_answer(&answer(final_status, None), 1, &policy),
                 None,
                 "{final_status}"
             );
         }
-        for retried in [409, 500, 502, 503, 504] {
+        for retried in [408, 409, 425, 429, 500, 502, 503, 504] {
             assert!(
                 pause_after_answer(&answer(retried, None), 1, &policy).is_some(),
                 "{retried}"

@@ -23,7 +23,7 @@
 
 use std::time::Duration;
 
-use idem::{Backend, Idempotency, Options, Outcome};
+use idem_axum::{Backend, Idempotency, Options, Outcome};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};

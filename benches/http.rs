@@ -89,7 +89,7 @@ use axum::routing::{MethodRouter, get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::rt::TokioIo;
-use idem::{Idempotency, Tx, idempotent};
+use idem_axum::{Idempotency, Tx, idempotent};
 use sqlx::mysql::{MySqlConnection, MySqlPoolOptions};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{
@@ -109,13 +109,13 @@ const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 // ---------------------------------------------------------------------------------
 // The server
 
-struct App<DB: idem::Backend> {
+struct App<DB: idem_axum::Backend> {
     pool: Pool<DB>,
     idempotency: Idempotency<DB>,
     redis: Arc<Redis>,
 }
 
-impl<DB: idem::Backend> Clone for App<DB> {
+impl<DB: idem_axum::Backend> Clone for App<DB> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
@@ -125,21 +125,21 @@ impl<DB: idem::Backend> Clone for App<DB> {
     }
 }
 
-impl<DB: idem::Backend> axum::extract::FromRef<App<DB>> for Pool<DB> {
+impl<DB: idem_axum::Backend> axum::extract::FromRef<App<DB>> for Pool<DB> {
     fn from_ref(app: &App<DB>) -> Self {
         app.pool.clone()
     }
 }
 
-impl<DB: idem::Backend> axum::extract::FromRef<App<DB>> for Idempotency<DB> {
+impl<DB: idem_axum::Backend> axum::extract::FromRef<App<DB>> for Idempotency<DB> {
     fn from_ref(app: &App<DB>) -> Self {
         app.idempotency.clone()
     }
 }
 
 #[idempotent(unscoped = true, required = true)]
-async fn idem<DB: idem::Backend + Shop>(
-    key: idem::IdempotencyKey,
+async fn idem<DB: idem_axum::Backend + Shop>(
+    key: idem_axum::IdempotencyKey,
     mut tx: Tx<DB>,
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
@@ -612,7 +612,7 @@ async fn hand_written_sqlite(
 
 /// The cached-response pattern: look up, run, store after the fact. Two requests
 /// with one key that arrive together both miss, and both run.
-async fn naive_cache<DB: idem::Backend + Shop>(
+async fn naive_cache<DB: idem_axum::Backend + Shop>(
     State(app): State<App<DB>>,
     headers: HeaderMap,
     json: axum::Json<NewPayment>,
@@ -698,8 +698,8 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// A backend's store settings from the bench's environment.
-trait Tune: idem::Backend {
-    fn tune(builder: idem::Builder<Self>) -> idem::Builder<Self> {
+trait Tune: idem_axum::Backend {
+    fn tune(builder: idem_axum::Builder<Self>) -> idem_axum::Builder<Self> {
         builder
     }
 }
@@ -710,7 +710,7 @@ impl Tune for MySql {}
 
 impl Tune for Sqlite {
     /// `IDEM_BENCH_SQLITE_DEFERRED=1`: the write lock at the handler's first write.
-    fn tune(builder: idem::Builder<Self>) -> idem::Builder<Self> {
+    fn tune(builder: idem_axum::Builder<Self>) -> idem_axum::Builder<Self> {
         if std::env::var_os("IDEM_BENCH_SQLITE_DEFERRED").is_some() {
             builder.write_lock_at_first_write()
         } else {
@@ -720,7 +720,7 @@ impl Tune for Sqlite {
 }
 
 /// Serves the variant `VARIANT` asks for; `floors`: that backend's hand-written ones, by name.
-async fn serve_on<DB: idem::Backend + Shop + Tune>(
+async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
     pool: Pool<DB>,
     size: usize,
     floors: Vec<(&str, MethodRouter<App<DB>>)>,
@@ -1395,7 +1395,7 @@ impl Target {
         match self {
             Self::Postgres { url, admin } => {
                 create_schema(admin, schema).await;
-                let migration = idem::Idempotency::new(admin.clone()).migration_sql();
+                let migration = idem_axum::Idempotency::new(admin.clone()).migration_sql();
                 sqlx::raw_sql(AssertSqlSafe(format!(
                     "SET search_path = {schema}; {migration}"
                 )))
@@ -1533,7 +1533,7 @@ async fn prefill(admin: &PgPool, schema: &str, stored: u64) {
          FROM generate_series(0, $4 - 1) AS g"
     )))
     .bind(format!("{schema}-replay-"))
-    .bind(&idem::fingerprint(BODY.as_bytes())[..])
+    .bind(&idem_axum::fingerprint(BODY.as_bytes())[..])
     .bind(&response[..])
     .bind(i64::try_from(stored).unwrap_or(i64::MAX))
     .execute(admin)

@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem::{Backend, Idempotency, Options, Outcome, Sweep};
+use idem_axum::{Backend, Idempotency, Options, Outcome, Sweep};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Pool, Postgres, Sqlite};

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
-use idem::{Backend, HandlerFuture, Idempotency, Options, Tx};
+use idem_axum::{Backend, HandlerFuture, Idempotency, Options, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Postgres, Sqlite};

@@ -9,7 +9,7 @@
 //! curl -s localhost:3000/orders -H 'X-User: alice'
 //! ```
 //!
-//! In your project: `idem = { version = "0.1", features = ["sqlite"] }` (or
+//! In your project: `idem-axum = { version = "0.1", features = ["sqlite"] }` (or
 //! `postgres`, `mysql`), beside axum, sqlx, serde and tokio.
 
 use axum::extract::{FromRef, FromRequestParts, State};
@@ -17,7 +17,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::{Idempotency, Scope, Tx, idempotent};
+use idem_axum::{Idempotency, Scope, Tx, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, SqlitePool};
 

@@ -23,7 +23,7 @@
 //! # #[cfg(feature = "postgres")]
 //! # mod example {
 //! use axum::{Json, Router, extract::FromRef, http::StatusCode, routing::post};
-//! use idem::{Idempotency, IdempotencyKey, Tx, idempotent};
+//! use idem_axum::{Idempotency, IdempotencyKey, Tx, idempotent};
 //! use sqlx::Postgres;
 //! # use axum::{extract::FromRequestParts, http::request::Parts};
 //! # /// The authenticated user, from a real auth layer in your application.
@@ -35,7 +35,7 @@
 //! #         user.map(|u| User(u.to_owned())).ok_or(StatusCode::UNAUTHORIZED)
 //! #     }
 //! # }
-//! # impl idem::Scope for User {
+//! # impl idem_axum::Scope for User {
 //! #     fn scope(&self) -> std::borrow::Cow<'_, str> {
 //! #         self.0.as_str().into()
 //! #     }
@@ -89,13 +89,13 @@
 //! | `postgres` | the PostgreSQL backend, and `Partitions` for its partitioned layout |
 //! | `mysql` | the MySQL / MariaDB backend |
 //! | `sqlite` | the SQLite backend |
-//! | `client` | `idem::client`, the retrying tower layer for callers |
-//! | `reqwest` | `idem::client::reqwest`, the same retries as `reqwest-middleware` middleware |
+//! | `client` | `idem_axum::client`, the retrying tower layer for callers |
+//! | `reqwest` | `idem_axum::client::reqwest`, the same retries as `reqwest-middleware` middleware |
 //! | `metrics` | counters, histograms and a gauge through the `metrics` facade (below) |
 //!
 //! ```toml
 //! [dependencies]
-//! idem = { version = "0.1", features = ["postgres"] }
+//! idem-axum = { version = "0.1", features = ["postgres"] }
 //! ```
 //!
 //! # Metrics
@@ -146,10 +146,10 @@
 //!   (`Idempotency-Key-TTL: 86400`): how long the key is kept, counted from its first
 //!   request. The IETF draft has no such header yet; it is stored with the response,
 //!   so replays repeat it byte for byte.
-//! - The client side: with feature `client`, `idem::client::RetryLayer` wraps any tower
+//! - The client side: with feature `client`, `idem_axum::client::RetryLayer` wraps any tower
 //!   HTTP client so that each logical request gets one key for all its attempts and
 //!   is retried on connection errors, 409 and 5xx, never on other 4xx; with feature
-//!   `reqwest`, `idem::client::reqwest::RetryMiddleware` does the same for a
+//!   `reqwest`, `idem_axum::client::reqwest::RetryMiddleware` does the same for a
 //!   `reqwest-middleware` client.
 //!
 //! # Using it by hand
@@ -161,8 +161,8 @@
 //! # #[cfg(feature = "sqlite")]
 //! # mod example {
 //! use axum::{Router, extract::FromRef, http::StatusCode, response::IntoResponse, routing::post};
-//! use idem::axum::IdempotentRequest;
-//! use idem::{Idempotency, Options};
+//! use idem_axum::axum::IdempotentRequest;
+//! use idem_axum::{Idempotency, Options};
 //! use sqlx::Sqlite;
 //!
 //! #[derive(Clone, FromRef)]
@@ -220,6 +220,7 @@
 /// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
 /// | `release_on` | the 4xx statuses that mean "not executed, try later": answered, rolled back and the key released like a 5xx, never recorded; `[]` records every answer below 500 | `[408, 425, 429]` |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
+/// | `crate` | the path your code names this crate by, when `Cargo.toml` renames it (`pay = { package = "idem-axum", … }` → `crate = "pay"`), or a re-export of it (`crate = "my_app::idem"`) | `idem_axum` |
 ///
 /// Every handler says whose keys it keeps apart: `scope` names the parameter that
 /// identifies the caller, so the same key from two users is two requests. Leaving it
@@ -277,7 +278,7 @@
 /// # #[cfg(feature = "sqlite")]
 /// # mod example {
 /// use axum::{Json, http::StatusCode};
-/// use idem::{IdempotencyKey, idempotent};
+/// use idem_axum::{IdempotencyKey, idempotent};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Ping {

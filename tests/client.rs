@@ -1,4 +1,4 @@
-//! The retrying client (`idem::client`, feature `client`) against a real idem server
+//! The retrying client (`idem_axum::client`, feature `client`) against a real idem server
 //! over loopback HTTP, on SQLite: what it retries, what it never retries, and that
 //! the business write happens once however many attempts it takes.
 
@@ -21,8 +21,8 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem::client::{Receipt, Retry, RetryLayer, RetryPolicy};
-use idem::{Idempotency, Tx, idempotent};
+use idem_axum::client::{Receipt, Retry, RetryLayer, RetryPolicy};
+use idem_axum::{Idempotency, Tx, idempotent};
 use sqlx::Sqlite;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use tower::{Layer as _, Service as _, ServiceExt as _};
@@ -459,8 +459,10 @@ async fn each_logical_request_gets_its_own_key() {
 #[cfg(feature = "reqwest")]
 mod reqwest_client {
     use super::*;
-    use idem::client::reqwest::RetryMiddleware;
-    use idem::client::reqwest::reqwest_middleware::{ClientBuilder, ClientWithMiddleware, reqwest};
+    use idem_axum::client::reqwest::RetryMiddleware;
+    use idem_axum::client::reqwest::reqwest_middleware::{
+        ClientBuilder, ClientWithMiddleware, reqwest,
+    };
 
     fn client() -> ClientWithMiddleware {
         ClientBuilder::new(reqwest::Client::new())

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Method, Response, StatusCode, Uri};
 use http_body_util::Full;
-use idem::{Backend, Idempotency, IdempotencyKey, RequestIdentity};
+use idem_axum::{Backend, Idempotency, IdempotencyKey, RequestIdentity};
 use sqlx::{AssertSqlSafe, Pool};
 
 pub struct Settings {

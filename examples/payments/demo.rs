@@ -14,8 +14,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Empty, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idem::Outcome;
-use idem::client::{Receipt, RetryLayer, RetryPolicy};
+use idem_axum::Outcome;
+use idem_axum::client::{Receipt, RetryLayer, RetryPolicy};
 use serde_json::Value;
 use tower::{Layer as _, Service as _, ServiceExt as _};
 

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem::{Backend, Builder};
+use idem_axum::{Backend, Builder};
 #[cfg(feature = "mysql")]
 use sqlx::{MySql, MySqlConnection};
 #[cfg(feature = "postgres")]

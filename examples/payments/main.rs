@@ -5,7 +5,7 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1/postgres \
 //!   cargo run --example payments --features sqlite,postgres
 //! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example payments --features sqlite,mysql
-//! cargo run --example payments --features sqlite -- demo    # a storm of retries through idem::client
+//! cargo run --example payments --features sqlite -- demo    # a storm of retries through idem_axum::client
 //! ```
 //!
 //! Environment: `DATABASE_URL` (default `sqlite://payments.db`, created and migrated
@@ -15,7 +15,7 @@
 //! the same kind; default `DATABASE_URL`, or on SQLite a file beside it: a provider
 //! is another company's system, and a failover of yours does not take its charges).
 //!
-//! SIGTERM or Ctrl-C shuts it down gracefully (`idem::Shutdown`): payments in flight
+//! SIGTERM or Ctrl-C shuts it down gracefully (`idem_axum::Shutdown`): payments in flight
 //! finish and are recorded, new ones are answered 503 `shutting-down` until it exits.
 //!
 //! `demo` serves the API behind a flaky proxy (it refuses some requests with 503 and
@@ -63,7 +63,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idem::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
+use idem_axum::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
 use sqlx::Pool;

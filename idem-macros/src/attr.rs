@@ -1,11 +1,12 @@
 //! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
-//! `required`, `ttl_header`, `release_on`, `db`.
+//! `required`, `ttl_header`, `release_on`, `db`, `crate`.
 
+use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
-use syn::{Error, Ident, Lit, LitBool, LitStr, Token, Type};
+use syn::{Error, Ident, Lit, LitBool, LitStr, Path, Token, Type};
 
-const OPTIONS: &str =
-    "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, `release_on`, `db`";
+const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, \
+     `release_on`, `db`, `crate`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -30,6 +31,9 @@ pub(crate) struct Args {
     /// The 4xx statuses answered but not recorded, when written.
     pub(crate) release_on: Option<Vec<u16>>,
     pub(crate) db: Option<Type>,
+    /// The path the generated code names the facade by, when the dependency is
+    /// renamed (`crate = "pay"`).
+    pub(crate) krate: Option<Path>,
 }
 
 /// Collects errors so one mistake does not hide the next.
@@ -55,7 +59,8 @@ impl Parse for Args {
         let mut errors = Errors::default();
         let mut seen: Vec<String> = Vec::new();
         while !input.is_empty() {
-            let name: Ident = input.parse().map_err(|e| {
+            // `parse_any`: `crate` is a keyword.
+            let name: Ident = Ident::parse_any(input).map_err(|e| {
                 Error::new(e.span(), format!("expected an option: one of {OPTIONS}"))
             })?;
             input.parse::<Token![=]>()?;
@@ -69,6 +74,20 @@ impl Parse for Args {
             seen.push(key.clone());
             match key.as_str() {
                 "db" => args.db = Some(input.parse()?),
+                "crate" => match input.parse()? {
+                    Lit::Str(lit) => match lit.parse::<Path>() {
+                        Ok(path) => args.krate = Some(path),
+                        Err(_) => errors.push(Error::new_spanned(
+                            &lit,
+                            "expected the path of the `idem-axum` crate as your Cargo.toml names it, \
+                             like `crate = \"pay\"` for `pay = { package = \"idem-axum\", … }`",
+                        )),
+                    },
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        "expected a string, like `crate = \"pay\"`",
+                    )),
+                },
                 "scope" => match input.parse()? {
                     Lit::Str(lit) => args.scope = Some(lit),
                     other => errors.push(Error::new_spanned(

@@ -108,7 +108,10 @@ impl<'a> Handler<'a> {
 
     fn expand(&self, args: &Args, func: &ItemFn) -> syn::Result<TokenStream> {
         let mut errors = Errors::default();
-        let private = quote!(::idem::__private);
+        let private = match &args.krate {
+            Some(path) => quote!(#path::__private),
+            None => quote!(::idem_axum::__private),
+        };
         let call = Ident::new("__idem_call", Span::mixed_site());
         let scope = Ident::new("__idem_scope", Span::mixed_site());
         let mark = Ident::new("__idem_mark", Span::mixed_site());
@@ -446,4 +449,31 @@ fn mentions(tokens: &TokenStream, names: &[String]) -> bool {
         proc_macro2::TokenTree::Group(group) => mentions(&group.stream(), names),
         _ => false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expanded(args: TokenStream) -> String {
+        let item = quote! {
+            async fn transfer(tx: Tx<Postgres>) -> StatusCode {
+                let _ = tx;
+                StatusCode::CREATED
+            }
+        };
+        idempotent(args, item).to_string()
+    }
+
+    /// A renamed dependency: every path of the generated code goes through the
+    /// name given, none through the crate's own name.
+    #[test]
+    fn the_crate_option_names_every_path() {
+        let default = expanded(quote!(unscoped = true));
+        assert!(default.contains(":: idem_axum :: __private"), "{default}");
+        let renamed = expanded(quote!(crate = "pay", unscoped = true));
+        assert!(renamed.contains("pay :: __private"), "{renamed}");
+        assert!(!renamed.contains("idem_axum"), "{renamed}");
+        assert!(!renamed.contains("compile_error"), "{renamed}");
+    }
 }

@@ -1,5 +1,5 @@
-//! The `#[idempotent]` attribute of the `idem` crate. Use it through `idem`: the
-//! code it generates calls `idem::__private`.
+//! The `#[idempotent]` attribute of the `idem-axum` crate. Use it through `idem-axum`: the
+//! code it generates calls `idem_axum::__private`.
 
 use proc_macro::TokenStream;
 
@@ -13,7 +13,7 @@ mod expand;
 /// async fn create_payment(user_id: UserId, tx: Tx<Postgres>, Json(req): Json<NewPayment>) -> ...
 /// ```
 ///
-/// See the `idem` crate documentation for the options and what the rewritten
+/// See the `idem-axum` crate documentation for the options and what the rewritten
 /// handler does.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {

@@ -39,7 +39,7 @@ use crate::tx::Adopted;
 ///
 /// Each keeps the same contract (`docs/contract.md` in the repository), each in its
 /// own way: where a claim lives, how a duplicate is told at once, what ends a stuck
-/// executor. The [`idem`](https://docs.rs/idem) crate's documentation compares them
+/// executor. The [`idem-axum`](https://docs.rs/idem-axum) crate's documentation compares them
 /// guarantee by guarantee (`docs/guarantees.md` in the repository); the designs, and
 /// what they cost measured on this project's machines, are in `docs/backends.md`,
 /// and what each needs from its configuration in `docs/deployment.md`.

@@ -1,6 +1,6 @@
 //! What idem reports through the [`metrics`](https://docs.rs/metrics) facade, with
 //! feature `metrics`; without it, nothing (these calls compile to nothing). The
-//! names, kinds and labels are listed in the `idem` crate's docs, "Metrics".
+//! names, kinds and labels are listed in the `idem-axum` crate's docs, "Metrics".
 
 use std::time::Duration;
 

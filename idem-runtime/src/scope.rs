@@ -29,8 +29,8 @@ use std::sync::Arc;
 /// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot scope idempotency keys",
-    label = "named by `scope = ...`, so it must implement `idem::Scope`",
-    note = "implement `idem::Scope` for it, returning the id of the tenant or user the request acts for"
+    label = "named by `scope = ...`, so it must implement `idem_axum::Scope`",
+    note = "implement `idem_axum::Scope` for it, returning the id of the tenant or user the request acts for"
 )]
 pub trait Scope {
     /// The scope's string form; equal values must give equal strings.

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
-use idem::axum::IdempotentRequest;
-use idem::{Idempotency, Options, Outcome};
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::{Idempotency, Options, Outcome};
 use tower::ServiceExt as _;
 
 use crate::harness::Harness;

@@ -16,7 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use idem::{Idempotency, IdempotencyKey, Scope, Tx, idempotent};
+use idem_axum::{Idempotency, IdempotencyKey, Scope, Tx, idempotent};
 use serde::Deserialize;
 use sqlx::Connection as _;
 use tower::Layer as _;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem::{Idempotency, Outcome};
+use idem_axum::{Idempotency, Outcome};
 use sqlx::pool::PoolOptions;
 use tokio::sync::Barrier;
 

@@ -11,8 +11,8 @@ use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem::axum::IdempotentRequest;
-use idem::{Idempotency, Options, Outcome};
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::{Idempotency, Options, Outcome};
 
 use crate::app::{self, Req, send};
 use crate::harness::Harness;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::Method;
-use idem::Outcome;
+use idem_axum::Outcome;
 use tokio::sync::Barrier;
 
 use crate::app::{self, Req, router, router_on, send};
@@ -318,7 +318,7 @@ async fn mysql_claims_take_the_lock_every_release_takes() {
     // `migrate()` on such a session creates the table there too, and leaves the
     // session where the application put it.
     let pool = h.store_moved_by_session_pool(&elsewhere).await;
-    let store = idem::Idempotency::builder(pool.clone())
+    let store = idem_axum::Idempotency::builder(pool.clone())
         .table("moved_keys")
         .build()
         .expect("store");
@@ -438,7 +438,7 @@ async fn mysql_sessions_without_autocommit_are_left_without_a_transaction() {
     // The sweeper's deletions.
     h.insert_expired("old", "done-", 30, true).await;
     let report = store
-        .sweep(idem::Sweep::new().batch(10))
+        .sweep(idem_axum::Sweep::new().batch(10))
         .await
         .expect("sweep");
     assert_eq!(report.deleted, 30);

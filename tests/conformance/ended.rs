@@ -10,8 +10,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem::axum::IdempotentRequest;
-use idem::{Idempotency, Options, Outcome};
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::{Idempotency, Options, Outcome};
 
 use crate::BODY;
 use crate::app::{Req, router_on, send};

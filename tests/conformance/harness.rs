@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use idem::{Backend, Builder, Idempotency, Tx};
+use idem_axum::{Backend, Builder, Idempotency, Tx};
 use sqlx::Connection;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::Method;
-use idem::{Outcome, Sweep};
+use idem_axum::{Outcome, Sweep};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Barrier;
 
@@ -79,7 +79,7 @@ const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
 /// Runs one suite test on backend `H`, sized for the default response limit.
 async fn start<H: Harness>() -> Option<H> {
-    H::start(idem::DEFAULT_MAX_RESPONSE_BYTES).await
+    H::start(idem_axum::DEFAULT_MAX_RESPONSE_BYTES).await
 }
 
 async fn send_all(app: &axum::Router, reqs: Vec<Req>) -> Vec<Got> {
@@ -1080,7 +1080,7 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
     await_started(&gate).await;
 
     let store = h.store();
-    let listed = |claims: Vec<idem::KeyRecord>| {
+    let listed = |claims: Vec<idem_axum::KeyRecord>| {
         let mut keys: Vec<String> = claims.into_iter().map(|c| c.key).collect();
         keys.sort();
         keys

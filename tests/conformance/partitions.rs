@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem::{Idempotency, Outcome};
+use idem_axum::{Idempotency, Outcome};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool, Postgres};
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::http::Request;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
-use idem::Outcome;
+use idem_axum::Outcome;
 use tower::ServiceExt as _;
 
 use crate::app::{Got, retrying_serialization};

@@ -19,8 +19,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use futures_util::FutureExt as _;
-use idem::axum::IdempotentRequest;
-use idem::{Idempotency, Options, Outcome};
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::{Idempotency, Options, Outcome};
 use tokio::sync::Notify;
 
 use crate::BODY;

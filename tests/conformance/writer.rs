@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem::Outcome;
+use idem_axum::Outcome;
 use sqlx::Connection as _;
 use sqlx::sqlite::{SqliteConnection, SqlitePoolOptions};
 

@@ -1,6 +1,6 @@
 //! The failover scenario: two instances of the payments example on a replicated
 //! PostgreSQL behind HAProxy (see `cluster.rs`), a storm of keyed payments retried
-//! by `idem::client`; the primary's WAL sender stalls for a moment, then the
+//! by `idem_axum::client`; the primary's WAL sender stalls for a moment, then the
 //! primary's postmaster is SIGKILLed and Patroni promotes the replica. Run once
 //! with synchronous replication and once with asynchronous: the commits of that
 //! moment are what the two modes decide differently.

@@ -8,7 +8,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem::client::{Receipt, Retry, RetryLayer, RetryPolicy};
+use idem_axum::client::{Receipt, Retry, RetryLayer, RetryPolicy};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tower::{Layer as _, Service as _, ServiceExt as _};
 

@@ -29,8 +29,8 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use idem::axum::IdempotentRequest;
-use idem::{Backend, Idempotency, Options, Tx};
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::{Backend, Idempotency, Options, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -222,8 +222,8 @@ async fn abort_after_commit(
     let key = request.headers().get("idempotency-key").cloned();
     let response = next.run(request).await;
     let executed = matches!(
-        response.extensions().get::<idem::Outcome>(),
-        Some(idem::Outcome::Executed | idem::Outcome::TakenOver)
+        response.extensions().get::<idem_axum::Outcome>(),
+        Some(idem_axum::Outcome::Executed | idem_axum::Outcome::TakenOver)
     );
     if executed && key.is_some_and(|key| key.as_bytes() == target.as_bytes()) {
         eprintln!("faults server: ABORT_AFTER_COMMIT: dying before answering");

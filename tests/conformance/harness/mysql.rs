@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem::{Idempotency, Tx};
+use idem_axum::{Idempotency, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, MySqlPool, Row};
 
@@ -272,7 +272,7 @@ impl Harness for My {
         .bind(key)
         .bind(method)
         .bind(path)
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.plain)
         .await
         .expect("insert stale claim");
@@ -311,8 +311,8 @@ impl Harness for My {
                      NULL, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, \
                      UTC_TIMESTAMP(6))"
         )))
-        .bind(&idem::fingerprint(body)[..])
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.plain)
         .await
         .expect("legacy rows");

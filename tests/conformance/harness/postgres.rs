@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem::{Idempotency, Tx};
+use idem_axum::{Idempotency, Tx};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Row};
 
@@ -298,7 +298,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         .bind(key)
         .bind(method)
         .bind(path)
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.direct)
         .await
         .expect("insert stale claim");
@@ -340,7 +340,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
                     ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', $1, NULL, \
                      NULL, NULL, now() - interval '1 second', now() + interval '1 hour', now())"
         )))
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.direct)
         .await
         .expect("legacy rows");

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem::{Idempotency, Tx};
+use idem_axum::{Idempotency, Tx};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -156,7 +156,7 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
         .bind(key)
         .bind(method)
         .bind(path)
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.pool)
         .await
         .expect("insert stale claim");
@@ -195,7 +195,7 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
                     ('alice', 'k-stale', 'processing', 2, 'POST', '/effects', ?1, NULL, \
                      NULL, NULL, {now_ms} - 1000, {now_ms} + 3600000, {now_ms})"
         )))
-        .bind(&idem::fingerprint(body)[..])
+        .bind(&idem_axum::fingerprint(body)[..])
         .execute(&self.pool)
         .await
         .expect("legacy rows");

@@ -1,8 +1,8 @@
 use axum::http::StatusCode;
-use idem::{idempotent, Tx};
+use idem_axum::{idempotent, Tx};
 use sqlx::Sqlite;
 
-use idem::IdempotencyKey;
+use idem_axum::IdempotencyKey;
 
 #[idempotent(unscoped = true, required = false)]
 async fn pay(key: IdempotencyKey, tx: Tx<Sqlite>) -> StatusCode {

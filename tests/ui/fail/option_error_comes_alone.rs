@@ -2,7 +2,7 @@ use axum::extract::FromRef;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::{idempotent, Idempotency, Tx};
+use idem_axum::{idempotent, Idempotency, Tx};
 use sqlx::Sqlite;
 
 #[derive(Clone, FromRef)]

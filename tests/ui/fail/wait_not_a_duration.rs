@@ -1,5 +1,5 @@
 use axum::http::StatusCode;
-use idem::{idempotent, Tx};
+use idem_axum::{idempotent, Tx};
 use sqlx::Sqlite;
 
 #[idempotent(unscoped = true, wait = 5)]

@@ -5,7 +5,7 @@ use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router, debug_handler};
-use idem::{idempotent, Idempotency, IdempotencyKey, Tx};
+use idem_axum::{idempotent, Idempotency, IdempotencyKey, Tx};
 use serde::Deserialize;
 use sqlx::Sqlite;
 

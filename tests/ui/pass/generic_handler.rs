@@ -6,7 +6,7 @@ use axum::http::request::Parts;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use idem::{idempotent, Backend, Idempotency, Tx};
+use idem_axum::{idempotent, Backend, Idempotency, Tx};
 use sqlx::Sqlite;
 
 struct UserId(u64);
@@ -24,7 +24,7 @@ impl<S: Send + Sync> FromRequestParts<S> for UserId {
     }
 }
 
-impl idem::Scope for UserId {
+impl idem_axum::Scope for UserId {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
         self.0.to_string().into()
     }

@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::{idempotent, Idempotency, Tx};
+use idem_axum::{idempotent, Idempotency, Tx};
 use sqlx::Postgres;
 
 #[idempotent(unscoped = true, lock = "30s", release_on = [409, 429])]

@@ -7,7 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Form, Router};
-use idem::{idempotent, Idempotency, IdempotencyKey, Tx};
+use idem_axum::{idempotent, Idempotency, IdempotencyKey, Tx};
 use serde::Deserialize;
 use sqlx::Sqlite;
 
@@ -22,7 +22,7 @@ impl<S: Send + Sync> FromRequestParts<S> for UserId {
     }
 }
 
-impl idem::Scope for UserId {
+impl idem_axum::Scope for UserId {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
         self.0.as_str().into()
     }

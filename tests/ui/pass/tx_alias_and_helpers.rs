@@ -6,7 +6,7 @@ use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::{idempotent, Idempotency, IdempotencyKey, Tx};
+use idem_axum::{idempotent, Idempotency, IdempotencyKey, Tx};
 use serde::Deserialize;
 use sqlx::Postgres;
 
@@ -23,7 +23,7 @@ impl<S: Send + Sync> FromRequestParts<S> for User {
     }
 }
 
-impl idem::Scope for User {
+impl idem_axum::Scope for User {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
         self.0.as_str().into()
     }

@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::{idempotent, Idempotency, Tx};
+use idem_axum::{idempotent, Idempotency, Tx};
 use sqlx::Postgres;
 
 #[idempotent(unscoped = true, ttl = "24h", lock = "30s", wait = "5s", ttl_header = true)]

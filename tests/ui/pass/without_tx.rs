@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::{idempotent, Idempotency, IdempotencyKey};
+use idem_axum::{idempotent, Idempotency, IdempotencyKey};
 use serde::Deserialize;
 use sqlx::Postgres;
 

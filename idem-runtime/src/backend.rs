@@ -45,6 +45,12 @@ use crate::tx::Adopted;
 /// and what each needs from its configuration in `docs/deployment.md`.
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API.
+#[diagnostic::on_unimplemented(
+    message = "idem-axum was built without `{Self}`: enable its feature",
+    label = "a database idem-axum was not built for",
+    note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
+            (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx"
+)]
 pub trait Backend: Database + sealed::Driver {}
 
 impl<DB: Database + sealed::Driver> Backend for DB {}
@@ -356,6 +362,12 @@ pub mod sealed {
     /// What the engine needs of one database: its SQL for a table (built once per
     /// store) and the statements it runs. Every backend's choices live in its own
     /// module; the engine sees only these.
+    #[diagnostic::on_unimplemented(
+        message = "idem-axum was built without `{Self}`: enable its feature",
+        label = "a database idem-axum was not built for",
+        note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
+                (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx"
+    )]
     pub trait Driver: Database {
         /// Prepared statement texts for `table`.
         #[doc(hidden)]

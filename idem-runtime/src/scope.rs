@@ -9,7 +9,11 @@ use std::sync::Arc;
 /// requests, and one scope never sees another's stored response. The
 /// `#[idempotent(scope = "user_id")]` attribute calls this on the parameter it names.
 ///
-/// Implemented for strings and integers; implement it for your own id types.
+/// Implemented for strings and integers, and for axum's `Extension<T>` of any
+/// `T` that implements it (feature `axum`): a layer that inserts the
+/// authenticated user scopes by it as it is, `Extension<CurrentUser>`, or
+/// destructured, `Extension(user): Extension<CurrentUser>` with `scope = "user"`.
+/// Implement it for your own id types.
 ///
 /// # Examples
 ///
@@ -30,7 +34,8 @@ use std::sync::Arc;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot scope idempotency keys",
     label = "named by `scope = ...`, so it must implement `idem_axum::Scope`",
-    note = "implement `idem_axum::Scope` for it, returning the id of the tenant or user the request acts for"
+    note = "implement `idem_axum::Scope` for it, returning the id of the tenant or user the request acts for; \
+            a type of another crate can be scoped by a field, or wrapped in a type of yours"
 )]
 pub trait Scope {
     /// The scope's string form; equal values must give equal strings.
@@ -73,6 +78,15 @@ impl<T: Scope + ?Sized> Scope for &T {
     }
 }
 
+/// The value a layer inserted: `Extension<CurrentUser>` scopes as `CurrentUser`.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+impl<T: Scope> Scope for axum::Extension<T> {
+    fn scope(&self) -> Cow<'_, str> {
+        self.0.scope()
+    }
+}
+
 macro_rules! integer_scopes {
     ($($t:ty),*) => {
         $(
@@ -88,3 +102,14 @@ macro_rules! integer_scopes {
 integer_scopes!(
     i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize
 );
+
+#[cfg(all(test, feature = "axum"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_extension_scopes_as_its_value() {
+        assert_eq!(axum::Extension(42_u64).scope(), "42");
+        assert_eq!(axum::Extension(String::from("user-7")).scope(), "user-7");
+    }
+}

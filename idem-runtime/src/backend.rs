@@ -49,7 +49,9 @@ use crate::tx::Adopted;
     message = "idem-axum was built without `{Self}`: enable its feature",
     label = "a database idem-axum was not built for",
     note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
-            (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx"
+            (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx. \
+                idem-axum 0.1 is built on sqlx 0.9 and axum 0.8: a `{Self}` of another sqlx \
+                version is another type (`cargo tree -d` lists duplicates)"
 )]
 pub trait Backend: Database + sealed::Driver {}
 
@@ -366,7 +368,9 @@ pub mod sealed {
         message = "idem-axum was built without `{Self}`: enable its feature",
         label = "a database idem-axum was not built for",
         note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
-                (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx"
+                (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx. \
+                idem-axum 0.1 is built on sqlx 0.9 and axum 0.8: a `{Self}` of another sqlx \
+                version is another type (`cargo tree -d` lists duplicates)"
     )]
     pub trait Driver: Database {
         /// Prepared statement texts for `table`.

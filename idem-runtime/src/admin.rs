@@ -16,7 +16,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) -> Result<(), sqlx::Error> {
     /// for claim in idempotency.claims(None, true, 50).await? {
     ///     println!("stuck: {} {} since {} ms", claim.scope, claim.key, claim.age_ms);
     /// }
@@ -72,7 +73,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) -> Result<(), sqlx::Error> {
     /// if idempotency.forget("user-7", "order-42").await? {
     ///     println!("the next request with order-42 runs again");
     /// }

@@ -7,11 +7,12 @@
 //! # Examples
 //!
 //! ```rust,no_run
+//! # extern crate idem_runtime as idem_axum;
 //! # #[cfg(feature = "sqlite")]
 //! # mod example {
 //! use axum::{Router, extract::FromRef, http::StatusCode, response::IntoResponse, routing::post};
-//! use idem_runtime::axum::IdempotentRequest;
-//! use idem_runtime::{Idempotency, Options};
+//! use idem_axum::axum::IdempotentRequest;
+//! use idem_axum::{Idempotency, Options};
 //! use sqlx::Sqlite;
 //!
 //! #[derive(Clone, FromRef)]

@@ -24,8 +24,9 @@
 //! # Examples
 //!
 //! ```rust
+//! # extern crate idem_runtime as idem_axum;
 //! use std::time::Duration;
-//! use idem_runtime::client::{Receipt, RetryLayer, RetryPolicy};
+//! use idem_axum::client::{Receipt, RetryLayer, RetryPolicy};
 //! use tower::{Layer, Service, ServiceExt, service_fn};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -71,8 +72,9 @@ pub mod reqwest;
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use std::time::Duration;
-/// use idem_runtime::client::RetryPolicy;
+/// use idem_axum::client::RetryPolicy;
 ///
 /// let patient = RetryPolicy::new()
 ///     .max_attempts(8)
@@ -161,8 +163,9 @@ impl Default for RetryPolicy {
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// # fn show(response: http::Response<()>) {
-/// use idem_runtime::client::Receipt;
+/// use idem_axum::client::Receipt;
 ///
 /// if let Some(receipt) = response.extensions().get::<Receipt>() {
 ///     println!("{} attempt(s), replayed: {}", receipt.attempts(), receipt.replayed());

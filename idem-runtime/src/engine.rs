@@ -39,8 +39,9 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 /// # Examples
 ///
 /// ```
-/// let a = idem_runtime::fingerprint(br#"{"amount":100}"#);
-/// assert_ne!(a, idem_runtime::fingerprint(br#"{"amount":200}"#));
+/// # extern crate idem_runtime as idem_axum;
+/// let a = idem_axum::fingerprint(br#"{"amount":100}"#);
+/// assert_ne!(a, idem_axum::fingerprint(br#"{"amount":200}"#));
 /// ```
 pub fn fingerprint(body: &[u8]) -> [u8; 32] {
     Sha256::digest(body).into()
@@ -52,8 +53,9 @@ pub fn fingerprint(body: &[u8]) -> [u8; 32] {
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use http::{Method, Uri};
-/// use idem_runtime::{IdempotencyKey, RequestIdentity};
+/// use idem_axum::{IdempotencyKey, RequestIdentity};
 ///
 /// let key = IdempotencyKey::parse(b"order-42").ok();
 /// let uri: Uri = "/payments?dry=0".parse().unwrap();
@@ -143,8 +145,9 @@ impl RequestIdentity {
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// # fn demo(response: http::Response<bytes::Bytes>) {
-/// use idem_runtime::Outcome;
+/// use idem_axum::Outcome;
 ///
 /// if response.extensions().get::<Outcome>() == Some(&Outcome::Replayed) {
 ///     // count replays
@@ -269,12 +272,13 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
     /// # #[cfg(feature = "sqlite")]
     /// # mod example {
     /// use bytes::Bytes;
     /// use http::{Method, Response, StatusCode, Uri};
     /// use http_body_util::Full;
-    /// use idem_runtime::{Idempotency, IdempotencyKey, Options, RequestIdentity};
+    /// use idem_axum::{Idempotency, IdempotencyKey, Options, RequestIdentity};
     /// use sqlx::Sqlite;
     ///
     /// async fn pay(store: Idempotency<Sqlite>, key: IdempotencyKey, body: Bytes) -> Response<Bytes> {

@@ -27,8 +27,9 @@ pub const MAX_KEY_LEN: usize = 255;
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use http::HeaderMap;
-/// use idem_runtime::IdempotencyKey;
+/// use idem_axum::IdempotencyKey;
 ///
 /// let mut headers = HeaderMap::new();
 /// headers.insert("idempotency-key", "\"order-42\"".parse().unwrap());
@@ -71,7 +72,8 @@ impl IdempotencyKey {
     /// # Examples
     ///
     /// ```
-    /// use idem_runtime::{IdempotencyKey, InvalidKey};
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::{IdempotencyKey, InvalidKey};
     ///
     /// assert_eq!(IdempotencyKey::parse(b"abc").unwrap().as_str(), "abc");
     /// assert_eq!(IdempotencyKey::parse(br#""a \"b\"""#).unwrap().as_str(), r#"a "b""#);
@@ -122,7 +124,8 @@ impl IdempotencyKey {
     /// # Examples
     ///
     /// ```
-    /// use idem_runtime::IdempotencyKey;
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::IdempotencyKey;
     ///
     /// let alice = IdempotencyKey::parse(b"k1").unwrap().with_scope("alice");
     /// let bob = IdempotencyKey::parse(b"k1").unwrap().with_scope("bob");

@@ -12,8 +12,9 @@ use std::time::Duration;
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use std::time::Duration;
-/// use idem_runtime::Options;
+/// use idem_axum::Options;
 ///
 /// const PAYMENTS: Options = Options::new()
 ///     .ttl(Duration::from_secs(24 * 3600))
@@ -125,8 +126,9 @@ impl Options {
     /// # Examples
     ///
     /// ```
+    /// # extern crate idem_runtime as idem_axum;
     /// use http::StatusCode;
-    /// use idem_runtime::Options;
+    /// use idem_axum::Options;
     ///
     /// // A 409 this handler answers for a conflict that may clear is not kept either.
     /// const TRANSFERS: Options = Options::new().release_on(&[409, 429]);
@@ -175,8 +177,9 @@ impl Options {
     /// # Examples
     ///
     /// ```
+    /// # extern crate idem_runtime as idem_axum;
     /// use std::time::Duration;
-    /// use idem_runtime::Options;
+    /// use idem_axum::Options;
     ///
     /// let short_ttl = Options::new().ttl(Duration::from_secs(10));
     /// assert!(short_ttl.check().is_err(), "the default lock is 30 s");

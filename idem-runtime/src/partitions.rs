@@ -73,7 +73,8 @@ impl Idempotency<sqlx::Postgres> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo(idempotency: idem_runtime::Idempotency<sqlx::Postgres>) {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo(idempotency: idem_axum::Idempotency<sqlx::Postgres>) {
     /// match idempotency.maintain_partitions(2).await {
     ///     Ok(changed) => println!("created {:?}, dropped {:?}", changed.created, changed.dropped),
     ///     Err(error) => eprintln!("partition maintenance: {error} (retried by the next run)"),

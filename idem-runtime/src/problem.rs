@@ -14,8 +14,9 @@ use http::{HeaderValue, Response, StatusCode, header};
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use http::StatusCode;
-/// use idem_runtime::Problem;
+/// use idem_axum::Problem;
 ///
 /// assert_eq!(Problem::InFlight.status(), StatusCode::CONFLICT);
 /// assert_eq!(Problem::InFlight.slug(), "in-flight");
@@ -139,7 +140,8 @@ impl Problem {
     /// # Examples
     ///
     /// ```
-    /// use idem_runtime::Problem;
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::Problem;
     ///
     /// let response = Problem::MissingKey.to_response("https://api.example.com/problems/", "send one");
     /// assert_eq!(response.status(), 400);

@@ -18,8 +18,9 @@ use std::sync::Arc;
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use std::borrow::Cow;
-/// use idem_runtime::Scope;
+/// use idem_axum::Scope;
 ///
 /// struct UserId(u64);
 ///

@@ -25,10 +25,11 @@ use tokio::time::Instant;
 /// # Examples
 ///
 /// ```rust,no_run
+/// # extern crate idem_runtime as idem_axum;
 /// # #[cfg(feature = "sqlite")]
 /// # mod example {
 /// use std::time::Duration;
-/// use idem_runtime::Idempotency;
+/// use idem_axum::Idempotency;
 ///
 /// # async fn serve(app: axum::Router, idempotency: Idempotency<sqlx::Sqlite>) -> std::io::Result<()> {
 /// let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;

@@ -36,10 +36,11 @@ pub const DEFAULT_REPLAY_CACHE_REFRESH: Duration = Duration::from_secs(30);
 /// # Examples
 ///
 /// ```rust,no_run
+/// # extern crate idem_runtime as idem_axum;
 /// # #[cfg(feature = "sqlite")]
 /// # mod example {
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use idem_runtime::Idempotency;
+/// use idem_axum::Idempotency;
 /// use sqlx::sqlite::SqlitePool;
 ///
 /// let pool = SqlitePool::connect("sqlite://payments.db?mode=rwc").await?;
@@ -104,10 +105,11 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
     /// # #[cfg(feature = "postgres")]
     /// # mod example {
     /// # async fn demo() -> Result<(), sqlx::Error> {
-    /// use idem_runtime::Idempotency;
+    /// use idem_axum::Idempotency;
     ///
     /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
     /// let idempotency = Idempotency::new(pool);
@@ -169,7 +171,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) {
     /// println!("{}", idempotency.migration_sql());
     /// # }
     /// ```
@@ -278,9 +281,10 @@ impl<DB: Backend> Builder<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # fn demo<DB: idem_runtime::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # fn demo<DB: idem_axum::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
-    /// use idem_runtime::Idempotency;
+    /// use idem_axum::Idempotency;
     ///
     /// let idempotency = Idempotency::builder(pool)
     ///     .replay_cache(64 * 1024 * 1024)
@@ -359,8 +363,9 @@ impl Builder<sqlx::Postgres> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
     /// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    /// use idem_runtime::Idempotency;
+    /// use idem_axum::Idempotency;
     ///
     /// let idempotency = Idempotency::builder(pool).partitioned_by_day().build()?;
     /// idempotency.migrate().await?;
@@ -390,8 +395,9 @@ impl Builder<sqlx::Postgres> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idem_runtime::Idempotency;
+    /// use idem_axum::Idempotency;
     /// use sqlx::PgPool;
     ///
     /// let through_pgbouncer = PgPool::connect("postgres://app@127.0.0.1:6432/app").await?;
@@ -434,8 +440,9 @@ impl Builder<sqlx::Sqlite> {
     /// # Examples
     ///
     /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
     /// # async fn demo(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
-    /// use idem_runtime::Idempotency;
+    /// use idem_axum::Idempotency;
     ///
     /// let idempotency = Idempotency::builder(pool).write_lock_at_first_write().build()?;
     /// # Ok(()) }
@@ -472,9 +479,10 @@ impl std::error::Error for ConfigError {}
 /// # Examples
 ///
 /// ```rust
+/// # extern crate idem_runtime as idem_axum;
 /// # #[cfg(feature = "postgres")]
 /// # {
-/// let sql = idem_runtime::migration_sql::<sqlx::Postgres>("api_keys", false);
+/// let sql = idem_axum::migration_sql::<sqlx::Postgres>("api_keys", false);
 /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS api_keys"));
 /// # }
 /// ```

@@ -18,8 +18,9 @@ use crate::store::Idempotency;
 /// # Examples
 ///
 /// ```
+/// # extern crate idem_runtime as idem_axum;
 /// use std::time::Duration;
-/// use idem_runtime::Sweep;
+/// use idem_axum::Sweep;
 ///
 /// let gentle = Sweep::new().batch(200).pause(Duration::from_millis(5));
 /// assert_eq!(gentle.batch_size(), 200);
@@ -99,8 +100,9 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) -> Result<(), sqlx::Error> {
-    /// use idem_runtime::Sweep;
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) -> Result<(), sqlx::Error> {
+    /// use idem_axum::Sweep;
     ///
     /// let report = idempotency.sweep(Sweep::new()).await?;
     /// println!("deleted {} expired keys in {:?}", report.deleted, report.elapsed);
@@ -142,9 +144,10 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Examples
     ///
     /// ```rust,no_run
-    /// # async fn demo<DB: idem_runtime::Backend>(idempotency: idem_runtime::Idempotency<DB>) {
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) {
     /// use std::time::Duration;
-    /// use idem_runtime::Sweep;
+    /// use idem_axum::Sweep;
     ///
     /// let sweeper = idempotency.spawn_sweeper(Duration::from_secs(60), Sweep::new());
     /// // ... on shutdown:

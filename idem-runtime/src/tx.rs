@@ -17,7 +17,13 @@ use tokio::sync::oneshot;
 /// when the handler answers below 500, and rolls both back otherwise.
 ///
 /// It owns its connection and names no lifetime, so helpers and aliases spell it the
-/// way handlers do. It is an axum extractor, valid only as a parameter of an
+/// way handlers do. A helper that takes `tx: &mut Tx<DB>` reaches the connection
+/// with `&mut **tx` (one `*` for the reference, one for the `Tx`); one that takes
+/// the connection itself (`conn: &mut PgConnection`, as sqlx suggests for helpers)
+/// is called with `&mut tx` and writes `&mut *conn`, as a handler does. An alias
+/// (`type PgTx = Tx<Postgres>`) hides the database from `#[idempotent]`, which
+/// reads it from a parameter written `Tx<DB>`: a handler that takes the alias names
+/// it, `#[idempotent(db = Postgres, …)]` (the compile error says so). It is an axum extractor, valid only as a parameter of an
 /// `#[idempotent]` handler, which hands it the transaction once the key is claimed;
 /// anywhere else, extracting it answers 500 `handler-failed`. It belongs to the
 /// handler: when the handler ends, the engine takes the connection back to record
@@ -28,7 +34,8 @@ use tokio::sync::oneshot;
 /// # Examples
 ///
 /// ```rust,no_run
-/// use idem_runtime::Tx;
+/// # extern crate idem_runtime as idem_axum;
+/// use idem_axum::Tx;
 /// use sqlx::Postgres;
 ///
 /// type PgTx = Tx<Postgres>;

@@ -10,8 +10,9 @@
 //! # Examples
 //!
 //! ```rust,no_run
-//! use idem_runtime::client::reqwest::RetryMiddleware;
-//! use idem_runtime::client::{Receipt, RetryPolicy};
+//! # extern crate idem_runtime as idem_axum;
+//! use idem_axum::client::reqwest::RetryMiddleware;
+//! use idem_axum::client::{Receipt, RetryPolicy};
 //!
 //! # async fn demo() -> Result<(), reqwest_middleware::Error> {
 //! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())

@@ -95,9 +95,8 @@ async fn list_orders(
     Ok(Json(rows.into_iter().map(order).collect()))
 }
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let pool = SqlitePool::connect("sqlite://quickstart.db?mode=rwc").await?;
+/// The app on `pool`: its tables, created if missing, and its routes.
+async fn app(pool: SqlitePool) -> Result<Router, sqlx::Error> {
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, owner TEXT NOT NULL, \
          item TEXT NOT NULL, quantity INTEGER NOT NULL)",
@@ -106,12 +105,95 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     let idempotency = Idempotency::new(pool.clone());
     idempotency.migrate().await?; // the key table, created once
-    let app = Router::new()
+    Ok(Router::new()
         .route("/orders", post(create_order).get(list_orders))
-        .with_state(AppState { idempotency, pool });
+        .with_state(AppState { idempotency, pool }))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let pool = SqlitePool::connect("sqlite://quickstart.db?mode=rwc").await?;
+    let app = app(pool).await?;
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(bind).await?;
     println!("listening on http://{}", listener.local_addr()?);
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+/// A handler is tested through its router, as a client reaches it: `oneshot`
+/// sends one request, here to the app on an in-memory SQLite database
+/// (`cargo test --example quickstart --features sqlite`).
+#[cfg(test)]
+mod tests {
+    use axum::body::{Body, Bytes};
+    use axum::http::{Request, Response};
+    use http_body_util::BodyExt as _;
+    use sqlx::sqlite::SqlitePoolOptions;
+    use tower::ServiceExt as _;
+
+    use super::*;
+
+    /// One connection: an in-memory database lives as long as its connection.
+    async fn test_app() -> (Router, SqlitePool) {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .expect("in-memory database");
+        (app(pool.clone()).await.expect("app"), pool)
+    }
+
+    async fn order(app: &Router, key: Option<&str>, body: &str) -> (Response<Body>, Bytes) {
+        let mut request = Request::post("/orders")
+            .header("x-user", "alice")
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let request = request.body(Body::from(body.to_owned())).expect("request");
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        let (parts, body) = response.into_parts();
+        let bytes = body.collect().await.expect("body").to_bytes();
+        (Response::from_parts(parts, Body::empty()), bytes)
+    }
+
+    async fn orders(pool: &SqlitePool) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM orders")
+            .fetch_one(pool)
+            .await
+            .expect("count")
+    }
+
+    const BOOK: &str = r#"{"item": "book", "quantity": 2}"#;
+
+    #[tokio::test]
+    async fn a_retry_gets_the_first_answer_and_orders_once() {
+        let (app, pool) = test_app().await;
+        let (first, first_body) = order(&app, Some("order-1"), BOOK).await;
+        let (retry, retry_body) = order(&app, Some("order-1"), BOOK).await;
+        assert_eq!(first.status(), StatusCode::CREATED);
+        assert_eq!(retry.status(), StatusCode::CREATED);
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert_eq!(retry_body, first_body);
+        assert_eq!(orders(&pool).await, 1);
+    }
+
+    #[tokio::test]
+    async fn a_key_reused_for_another_order_is_refused() {
+        let (app, pool) = test_app().await;
+        order(&app, Some("order-1"), BOOK).await;
+        let other = r#"{"item": "pen", "quantity": 1}"#;
+        let (reused, _) = order(&app, Some("order-1"), other).await;
+        assert_eq!(reused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(orders(&pool).await, 1);
+    }
+
+    #[tokio::test]
+    async fn an_order_without_a_key_is_refused() {
+        let (app, pool) = test_app().await;
+        let (refused, _) = order(&app, None, BOOK).await;
+        assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(orders(&pool).await, 0);
+    }
 }

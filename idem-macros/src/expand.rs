@@ -32,10 +32,34 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-/// The user's function as written, plus the errors: one mistake, one message.
+/// The errors, and in the function's place a stub any router takes, so that the
+/// route adds no error of its own: one mistake, one message. The function as
+/// written is kept under another name, so that its body is still checked.
 fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
     let errors = error.to_compile_error();
-    quote! { #errors #func }
+    let cfgs: Vec<_> = func
+        .attrs
+        .iter()
+        .filter(|attr| attr.path().is_ident("cfg"))
+        .collect();
+    let mut written = func.clone();
+    written.attrs.retain(|attr| attr.path().is_ident("cfg"));
+    written.sig.ident = Ident::new(
+        &format!("__idem_written_{}", func.sig.ident),
+        func.sig.ident.span(),
+    );
+    let vis = &func.vis;
+    let ident = &func.sig.ident;
+    let generics = &func.sig.generics;
+    let where_clause = &func.sig.generics.where_clause;
+    quote! {
+        #errors
+        #[allow(dead_code, non_snake_case, clippy::all)]
+        #written
+        #(#cfgs)*
+        #[allow(dead_code, unused)]
+        #vis async fn #ident #generics () #where_clause {}
+    }
 }
 
 fn not_a_function(item: TokenStream) -> TokenStream {
@@ -53,6 +77,18 @@ fn not_a_function(item: TokenStream) -> TokenStream {
     };
     error.to_compile_error()
 }
+
+/// axum's extractors that read the request body, by the last segment of their path.
+const BODY_EXTRACTORS: &[&str] = &[
+    "Json",
+    "Form",
+    "RawForm",
+    "Bytes",
+    "String",
+    "Body",
+    "Request",
+    "Multipart",
+];
 
 /// What the handler's signature says.
 struct Handler<'a> {
@@ -101,6 +137,19 @@ impl<'a> Handler<'a> {
                 handler.db = handler.db.or(db);
             }
             handler.params.push(param);
+        }
+        // Axum reads the body once, with the last parameter: a body extractor
+        // elsewhere would fail in the router, far from here.
+        let last = handler.params.len().saturating_sub(1);
+        for param in &handler.params[..last] {
+            if let Some(name) = BODY_EXTRACTORS.iter().find(|n| is_named(&param.ty, n)) {
+                errors.push(Error::new_spanned(
+                    &param.ty,
+                    format!(
+                        "`{name}` reads the request body: make it the handler's last parameter"
+                    ),
+                ));
+            }
         }
         errors.finish()?;
         Ok(handler)
@@ -295,6 +344,13 @@ impl<'a> Handler<'a> {
                         format!(
                             "`{wanted}` is given by idem, not by the client: scope names the parameter that identifies the tenant or user"
                         ),
+                    ));
+                }
+                if is_named(&param.ty, "Option") {
+                    return Err(Error::new_spanned(
+                        &param.ty,
+                        "the scope must be there: an `Option` lets a caller without one share one key space with every other; \
+                         take the type itself, whose extractor refuses a request without it, or scope by another parameter",
                     ));
                 }
                 return Ok((i, (ident, &param.ty)));

@@ -1,9 +1,10 @@
+use axum::Extension;
 use axum::http::StatusCode;
 use idem_axum::{idempotent, Tx};
 use sqlx::Sqlite;
 
 #[idempotent(ttl = "24h", required = true)]
-async fn pay(user: String, tx: Tx<Sqlite>) -> StatusCode {
+async fn pay(user: Extension<String>, tx: Tx<Sqlite>) -> StatusCode {
     let _ = (user, tx);
     StatusCode::CREATED
 }

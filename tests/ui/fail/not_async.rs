@@ -8,4 +8,11 @@ fn pay(tx: Tx<Sqlite>) -> StatusCode {
     StatusCode::CREATED
 }
 
-fn main() {}
+// Routed as usual: the route adds no error of its own.
+fn main() {
+    let _ = |store: idem_axum::Idempotency<sqlx::Sqlite>| -> axum::Router {
+        axum::Router::new()
+            .route("/", axum::routing::post(pay))
+            .with_state(store)
+    };
+}

@@ -301,6 +301,7 @@ pub use idem_runtime::{
     HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED, Idempotency,
     IdempotencyKey, InvalidKey, InvalidOptions, KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem,
     RequestIdentity, Scope, Shutdown, Sweep, SweepReport, Tx, fingerprint, migration_sql,
+    migration_steps,
 };
 
 #[cfg(feature = "postgres")]

@@ -7,19 +7,33 @@
 //! idem sweep --batch 500                 # delete expired keys now
 //! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
 //! idem migration postgres > migrations/20261201_idempotency_keys.sql
+//! idem migration --since 1 postgres      # only what came after your first one
 //! ```
+//!
+//! `DATABASE_URL` comes from `--database-url`, the environment, or a `.env` file in
+//! the current directory or one above it, as sqlx-cli reads it. Exit status: 0 done,
+//! 1 failed (the database could not be reached or refused, or the key is not there
+//! to show or forget), 2 the command line was wrong.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idem_runtime::{Backend, DEFAULT_TABLE, Idempotency, KeyRecord, Sweep, migration_sql};
-use sqlx::{MySql, Pool, Postgres, Sqlite};
+use idem_runtime::{Backend, DEFAULT_TABLE, Idempotency, KeyRecord, Sweep, migration_steps};
+use sqlx::pool::PoolOptions;
+use sqlx::{Connection, Database, MySql, Pool, Postgres, Sqlite};
 
 /// The operator's view of an idempotency-key table.
 #[derive(Parser)]
-#[command(name = "idem", version)]
+#[command(
+    name = "idem",
+    version,
+    after_help = "DATABASE_URL is also read from a .env file in the current directory or one \
+                  above it.\nExit status: 0 done; 1 failed (the database could not be reached \
+                  or refused, or the key is not there to show or forget); 2 the command line \
+                  was wrong."
+)]
 struct Cli {
     /// postgres://, mysql:// or sqlite://
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
@@ -40,7 +54,9 @@ enum Command {
     ///
     /// Scope, key, method, path, age, and the time left on the lock (negative: the
     /// lock has passed and the next retry takes the key over). On PostgreSQL and
-    /// MySQL a claim whose transaction is still open is not visible yet.
+    /// MySQL a claim whose transaction is still open is not visible yet: the list
+    /// then says what can be known (PostgreSQL: how many sessions hold advisory
+    /// locks in an open transaction, and the oldest's age).
     List {
         /// Only claims whose lock has passed.
         #[arg(long)]
@@ -102,10 +118,14 @@ enum Command {
     /// Print the key table's SQL, for a migration of your own tool.
     ///
     /// The table and every upgrade since, in order, for `--table` (and
-    /// `--partitioned` on PostgreSQL). Needs no database.
+    /// `--partitioned` on PostgreSQL), each headed by its version. Needs no database.
     Migration {
         /// The database the SQL is for.
         backend: BackendName,
+        /// Only the versions after this one: what to add to a folder whose latest
+        /// idem migration is this version.
+        #[arg(long, value_name = "VERSION")]
+        since: Option<u32>,
     },
 }
 
@@ -116,17 +136,50 @@ enum BackendName {
     Sqlite,
 }
 
-/// A failure worth a message and exit status 2.
-struct Fail(String);
+/// Why a command did not do its work, with its message.
+enum Fail {
+    /// The database, or what it holds: exit status 1.
+    Failed(String),
+    /// The command line asks for something that cannot be: exit status 2.
+    Usage(String),
+}
 
-impl<E: std::fmt::Display> From<E> for Fail {
-    fn from(error: E) -> Self {
-        Fail(error.to_string())
+impl From<sqlx::Error> for Fail {
+    fn from(error: sqlx::Error) -> Self {
+        Fail::Failed(database_error(&error))
     }
 }
 
+impl From<idem_runtime::ConfigError> for Fail {
+    fn from(error: idem_runtime::ConfigError) -> Self {
+        Fail::Usage(error.to_string())
+    }
+}
+
+/// A database error as an operator reads it: the server's message without its
+/// source position, and what to do about a missing table.
+fn database_error(error: &sqlx::Error) -> String {
+    let sqlx::Error::Database(database) = error else {
+        return error.to_string();
+    };
+    let missing_table = matches!(database.code().as_deref(), Some("42P01" | "42S02"))
+        || database.message().contains("no such table");
+    if missing_table {
+        return format!(
+            "{}: the key table is not in this database; run the app's \
+             `Idempotency::migrate()` once, or apply `idem migration <backend>` with your \
+             migration tool (check --table and the database in the URL)",
+            database.message()
+        );
+    }
+    database.message().to_owned()
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if cli.database_url.is_none() {
+        cli.database_url = dotenv_database_url();
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -134,7 +187,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("idem: {error}");
-            return ExitCode::from(2);
+            return ExitCode::from(1);
         }
     };
     match runtime.block_on(run(cli)) {
@@ -142,11 +195,66 @@ fn main() -> ExitCode {
             print!("{output}");
             ExitCode::SUCCESS
         }
-        Err(Fail(message)) => {
+        Err(Fail::Failed(message)) => {
+            eprintln!("idem: {message}");
+            ExitCode::from(1)
+        }
+        Err(Fail::Usage(message)) => {
             eprintln!("idem: {message}");
             ExitCode::from(2)
         }
     }
+}
+
+/// `DATABASE_URL` from the first `.env` file in the current directory or above it,
+/// as sqlx-cli finds it: `KEY=value` lines, `#` comments, an optional `export `,
+/// the value optionally quoted.
+fn dotenv_database_url() -> Option<String> {
+    let start = std::env::current_dir().ok()?;
+    let file = start
+        .ancestors()
+        .map(|dir| dir.join(".env"))
+        .find(|path| path.is_file())?;
+    let text = std::fs::read_to_string(file).ok()?;
+    text.lines().find_map(|line| {
+        let line = line.trim();
+        let line = line.strip_prefix("export ").unwrap_or(line);
+        let value = line
+            .strip_prefix("DATABASE_URL")?
+            .trim_start()
+            .strip_prefix('=')?;
+        let value = value.trim();
+        let unquoted = ['"', '\'']
+            .iter()
+            .find_map(|q| value.strip_prefix(*q)?.strip_suffix(*q))
+            .unwrap_or(value);
+        Some(unquoted.to_owned())
+    })
+}
+
+/// A pool on `url`, after one connection was made: a server that refuses or does
+/// not answer fails at once, not after the pool's acquire timeout.
+async fn connect<DB: Database>(url: &str) -> Result<Pool<DB>, Fail> {
+    const CONNECT: Duration = Duration::from_secs(10);
+    let unreachable =
+        |message: String| Fail::Failed(format!("cannot reach the database: {message}"));
+    match tokio::time::timeout(CONNECT, DB::Connection::connect(url)).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+        }
+        Ok(Err(error)) => return Err(unreachable(database_error(&error))),
+        Err(_) => {
+            return Err(unreachable(format!(
+                "no answer within {} s",
+                CONNECT.as_secs()
+            )));
+        }
+    }
+    Ok(PoolOptions::<DB>::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT)
+        .connect(url)
+        .await?)
 }
 
 async fn run(cli: Cli) -> Result<String, Fail> {
@@ -156,24 +264,38 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         partitioned,
         command,
     } = cli;
-    if let Command::Migration { backend } = command {
-        let sql = match backend {
-            BackendName::Postgres => migration_sql::<Postgres>(&table, partitioned),
-            BackendName::Mysql if partitioned => {
-                return Err(Fail("only PostgreSQL has the partitioned layout".into()));
+    if let Command::Migration { backend, since } = command {
+        let steps = match backend {
+            BackendName::Postgres => migration_steps::<Postgres>(&table, partitioned),
+            BackendName::Mysql | BackendName::Sqlite if partitioned => {
+                return Err(Fail::Usage(
+                    "only PostgreSQL has the partitioned layout".into(),
+                ));
             }
-            BackendName::Mysql => migration_sql::<MySql>(&table, false),
-            BackendName::Sqlite if partitioned => {
-                return Err(Fail("only PostgreSQL has the partitioned layout".into()));
-            }
-            BackendName::Sqlite => migration_sql::<Sqlite>(&table, false),
+            BackendName::Mysql => migration_steps::<MySql>(&table, false),
+            BackendName::Sqlite => migration_steps::<Sqlite>(&table, false),
         };
-        return Ok(format!("{}\n", sql.trim_end()));
+        let since = since.unwrap_or(0);
+        let latest = steps.last().map_or(0, |(version, _)| *version);
+        if since > latest {
+            return Err(Fail::Usage(format!(
+                "--since {since}: the latest version is {latest}"
+            )));
+        }
+        let mut out = String::new();
+        for (version, sql) in steps.iter().filter(|(version, _)| *version > since) {
+            let _ = writeln!(out, "-- idem migration {version:04}\n{}\n", sql.trim_end());
+        }
+        if out.is_empty() {
+            let _ = writeln!(out, "-- nothing after version {since:04}: up to date");
+        }
+        return Ok(out);
     }
-    let url = database_url
-        .ok_or_else(|| Fail("no database: pass --database-url or set DATABASE_URL".into()))?;
+    let url = database_url.ok_or_else(|| {
+        Fail::Usage("no database: pass --database-url, or set DATABASE_URL (or in .env)".into())
+    })?;
     if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        let pool = Pool::<Postgres>::connect(&url).await?;
+        let pool = connect::<Postgres>(&url).await?;
         let mut builder = Idempotency::builder(pool).table(&table);
         if partitioned {
             builder = builder.partitioned_by_day();
@@ -181,24 +303,38 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         let store = builder.build()?;
         if let Command::Partitions { ahead } = command {
             if !partitioned {
-                return Err(Fail(
+                return Err(Fail::Usage(
                     "partitions work on tables of the partitioned layout: pass --partitioned"
                         .into(),
                 ));
             }
             return partitions(&store, ahead).await;
         }
-        dispatch(&store, command).await
+        let listing = matches!(command, Command::List { .. });
+        let mut out = dispatch(&store, command).await?;
+        if listing {
+            out.push_str(&open_claims(store.pool()).await?);
+        }
+        Ok(out)
     } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
-        let pool = Pool::<MySql>::connect(&url.replacen("mariadb:", "mysql:", 1)).await?;
+        let pool = connect::<MySql>(&url.replacen("mariadb:", "mysql:", 1)).await?;
         let store = Idempotency::builder(pool).table(&table).build()?;
-        dispatch(&store, command).await
+        let listing = matches!(command, Command::List { .. });
+        let mut out = dispatch(&store, command).await?;
+        if listing {
+            out.push_str(
+                "MySQL keeps a claim in its transaction until it commits: the table shows \
+                 committed claims only. Claims in flight are among the open transactions \
+                 (information_schema.INNODB_TRX); the server ends an idle one at its lock.\n",
+            );
+        }
+        Ok(out)
     } else if url.starts_with("sqlite:") {
-        let pool = Pool::<Sqlite>::connect(&url).await?;
+        let pool = connect::<Sqlite>(&url).await?;
         let store = Idempotency::builder(pool).table(&table).build()?;
         dispatch(&store, command).await
     } else {
-        Err(Fail(format!(
+        Err(Fail::Usage(format!(
             "unsupported database URL {url}: postgres://, mysql:// or sqlite://"
         )))
     }
@@ -224,11 +360,48 @@ async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Res
                 .pause(Duration::from_millis(pause));
             sweep(store, settings).await
         }
-        Command::Partitions { .. } => Err(Fail(
+        Command::Partitions { .. } => Err(Fail::Usage(
             "partitions need a PostgreSQL table of the partitioned layout".into(),
         )),
-        Command::Migration { .. } => Err(Fail("migration needs no database".into())),
+        Command::Migration { .. } => Err(Fail::Usage("migration needs no database".into())),
     }
+}
+
+/// What PostgreSQL lets `list` know of claims it cannot show: a claim lives in its
+/// transaction until it commits, and only its advisory lock is visible meanwhile
+/// (not which key it locks, nor whose lock it is: other advisory locks count too).
+async fn open_claims(pool: &Pool<Postgres>) -> Result<String, Fail> {
+    let (sessions, oldest): (i64, Option<f64>) = sqlx::query_as(
+        "SELECT count(DISTINCT l.pid), \
+                max(extract(epoch FROM clock_timestamp() - a.xact_start))::float8 \
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.pid <> pg_backend_pid() \
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND a.xact_start IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    let mut out = String::from(
+        "PostgreSQL keeps a claim in its transaction until it commits: the table shows \
+         committed claims only.\n",
+    );
+    match oldest {
+        Some(seconds) if sessions > 0 => {
+            let _ = writeln!(
+                out,
+                "In flight now: {sessions} session(s) of this database hold advisory locks in an \
+                 open transaction (idem's claims among them), the oldest open for {}. The server \
+                 ends a claim's transaction at its lock, so one open longer than your longest \
+                 `lock` is not idem's.",
+                millis((seconds * 1000.0) as i64)
+            );
+        }
+        _ => out.push_str(
+            "In flight now: no session of this database holds an advisory lock in a \
+             transaction, so no claim is in flight.\n",
+        ),
+    }
+    Ok(out)
 }
 
 async fn list<DB: Backend>(
@@ -241,9 +414,9 @@ async fn list<DB: Backend>(
     let mut out = String::new();
     if claims.is_empty() {
         out.push_str(if stuck {
-            "no stuck claims\n"
+            "no stuck claim in the table\n"
         } else {
-            "no claims in flight\n"
+            "no claim in the table is in flight\n"
         });
         return Ok(out);
     }
@@ -281,10 +454,10 @@ async fn forget<DB: Backend>(
         ));
     }
     match store.inspect(scope, key).await? {
-        Some(record) if record.state == "processing" => Err(Fail(format!(
+        Some(record) if record.state == "processing" => Err(Fail::Failed(format!(
             "{key} in scope {scope} is in flight, not completed: not deleted"
         ))),
-        _ => Err(Fail(format!(
+        _ => Err(Fail::Failed(format!(
             "no completed record of {key} in scope {scope}"
         ))),
     }
@@ -296,20 +469,27 @@ async fn show<DB: Backend>(
     key: &str,
 ) -> Result<String, Fail> {
     let mut out = String::new();
-    match store.inspect(scope, key).await? {
-        Some(record) => describe(&mut out, &record),
-        None => {
-            let _ = writeln!(out, "scope {scope:?} holds no key {key:?}");
-        }
+    let record = store.inspect(scope, key).await?;
+    if let Some(record) = &record {
+        describe(&mut out, record);
     }
     let others = store.other_scopes(scope, key).await?;
-    if !others.is_empty() {
-        let _ = writeln!(
-            out,
+    let note = (!others.is_empty()).then(|| {
+        format!(
             "note: {} other scope(s) hold a key {key:?} (not shown): {}",
             others.len(),
             others.join(", ")
-        );
+        )
+    });
+    if record.is_none() {
+        let mut message = format!("scope {scope:?} holds no key {key:?}");
+        if let Some(note) = note {
+            message = format!("{message}\n{note}");
+        }
+        return Err(Fail::Failed(message));
+    }
+    if let Some(note) = note {
+        let _ = writeln!(out, "{note}");
     }
     Ok(out)
 }

@@ -110,7 +110,7 @@ async fn operator_commands_on_sqlite() {
         "completed keys are not claims"
     );
     let stuck = idem(&url, &["list", "--stuck", "--scope", "bob"]);
-    assert!(stuck.stdout.contains("no stuck claims"), "{}", stuck.stdout);
+    assert!(stuck.stdout.contains("no stuck claim"), "{}", stuck.stdout);
 
     let show = idem(&url, &["show", "--scope", "alice", "k-done"]);
     assert_eq!(show.code, 0, "{}", show.stderr);
@@ -126,9 +126,11 @@ async fn operator_commands_on_sqlite() {
         "never another scope's record"
     );
     assert!(show.stdout.contains("1 other scope(s)") && show.stdout.contains("bob"));
+    // Nothing to show is a failure a script can test for, as for `forget`.
     let nobody = idem(&url, &["show", "--scope", "carol", "k-done"]);
-    assert!(nobody.stdout.contains("holds no key"), "{}", nobody.stdout);
-    assert!(nobody.stdout.contains("alice, bob") && !nobody.stdout.contains("receipt"));
+    assert_eq!(nobody.code, 1, "{}", nobody.stderr);
+    assert!(nobody.stderr.contains("holds no key"), "{}", nobody.stderr);
+    assert!(nobody.stderr.contains("alice, bob") && !nobody.stderr.contains("receipt"));
 
     let sweep = idem(&url, &["sweep", "--batch", "10"]);
     assert_eq!(sweep.code, 0, "{}", sweep.stderr);
@@ -139,7 +141,7 @@ async fn operator_commands_on_sqlite() {
     );
     assert!(
         idem(&url, &["show", "--scope", "alice", "k-old"])
-            .stdout
+            .stderr
             .contains("holds no key")
     );
 
@@ -152,7 +154,7 @@ async fn operator_commands_on_sqlite() {
     );
     assert!(
         idem(&url, &["show", "--scope", "bob", "k-done"])
-            .stdout
+            .stderr
             .contains("holds no key")
     );
     let kept = idem(&url, &["show", "--scope", "alice", "k-done"]);
@@ -161,14 +163,14 @@ async fn operator_commands_on_sqlite() {
         "another scope's key stays"
     );
     let again = idem(&url, &["forget", "--scope", "bob", "k-done"]);
-    assert_eq!(again.code, 2);
+    assert_eq!(again.code, 1);
     assert!(
         again.stderr.contains("no completed record"),
         "{}",
         again.stderr
     );
     let claimed = idem(&url, &["forget", "--scope", "alice", "k-stuck"]);
-    assert_eq!(claimed.code, 2);
+    assert_eq!(claimed.code, 1);
     assert!(claimed.stderr.contains("in flight"), "{}", claimed.stderr);
     assert!(
         idem(&url, &["list"]).stdout.contains("k-stuck"),
@@ -256,4 +258,170 @@ async fn migration_prints_the_table_for_a_migration_tool() {
     );
     pool.close().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// What fails outside the table: a server that refuses answers at once (the
+/// message comes from one connection attempt, not from the pool's 30 s timeout),
+/// a missing table says to migrate, and no database error carries the server's
+/// source position. `DATABASE_URL` is found in a `.env` above the directory.
+#[tokio::test]
+async fn failures_say_what_to_do() {
+    // Nothing listens on port 1 of the loopback.
+    let refused = idem("postgres://postgres@127.0.0.1:1/postgres", &["list"]);
+    assert_eq!(refused.code, 1);
+    assert!(
+        refused.stderr.contains("cannot reach the database") && !refused.stderr.contains("pool"),
+        "{}",
+        refused.stderr
+    );
+
+    let dir = std::env::temp_dir().join(format!("idem_cli_env_{}", std::process::id()));
+    let below = dir.join("service").join("src");
+    std::fs::create_dir_all(&below).expect("scratch dir");
+    let empty = dir.join("empty.db");
+    std::fs::write(
+        dir.join(".env"),
+        format!(
+            "# the service's settings\nRUST_LOG=info\nexport DATABASE_URL=\"sqlite://{}?mode=rwc\"\n",
+            empty.display()
+        ),
+    )
+    .expect(".env");
+    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("list")
+        .current_dir(&below)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run idem");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no such table") && stderr.contains("migrate"),
+        "the .env's database was used, and its missing table named: {stderr}"
+    );
+    assert!(!stderr.contains(" at line "), "{stderr}");
+
+    let none = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("list")
+        .current_dir(std::env::temp_dir())
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run idem");
+    if !std::env::temp_dir()
+        .ancestors()
+        .any(|d| d.join(".env").is_file())
+    {
+        assert_eq!(none.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&none.stderr).contains("DATABASE_URL"));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `--since n` prints only the versions after n, each headed by its number, for a
+/// migration folder that holds the earlier ones; past the latest is refused.
+#[test]
+fn migration_since_prints_only_what_is_new() {
+    let no_db = "sqlite://unused";
+    let all = idem(no_db, &["--partitioned", "migration", "postgres"]);
+    assert_eq!(all.code, 0, "{}", all.stderr);
+    for version in ["0001", "0002", "0003"] {
+        assert!(
+            all.stdout.contains(&format!("-- idem migration {version}")),
+            "{}",
+            all.stdout
+        );
+    }
+    let new = idem(
+        no_db,
+        &["--partitioned", "migration", "--since", "2", "postgres"],
+    );
+    assert_eq!(new.code, 0, "{}", new.stderr);
+    assert!(
+        new.stdout.contains("-- idem migration 0003"),
+        "{}",
+        new.stdout
+    );
+    assert!(
+        !new.stdout.contains("-- idem migration 0002") && !new.stdout.contains("CREATE TABLE"),
+        "{}",
+        new.stdout
+    );
+    let current = idem(no_db, &["migration", "--since", "2", "sqlite"]);
+    assert_eq!(current.code, 0);
+    assert!(current.stdout.contains("up to date"), "{}", current.stdout);
+    let ahead = idem(no_db, &["migration", "--since", "9", "mysql"]);
+    assert_eq!(ahead.code, 2);
+    assert!(
+        ahead.stderr.contains("latest version is 2"),
+        "{}",
+        ahead.stderr
+    );
+}
+
+/// PostgreSQL: a claim lives in its open transaction, invisible to `list`; the
+/// command says so and counts the sessions that hold advisory locks in a
+/// transaction, the only trace a claim leaves meanwhile.
+#[tokio::test]
+async fn postgres_list_tells_what_it_cannot_see() {
+    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let admin = match sqlx::PgPool::connect(&base).await {
+        Ok(pool) => pool,
+        Err(error) if !std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
+            eprintln!("SKIPPED: PostgreSQL unreachable at {base}: {error}");
+            return;
+        }
+        Err(error) => panic!("PostgreSQL unreachable at {base}: {error}"),
+    };
+    let database = format!("idem_cli_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .expect("create database");
+    let mut options: sqlx::postgres::PgConnectOptions = base.parse().expect("url");
+    options = options.database(&database);
+    let pool = sqlx::PgPool::connect_with(options)
+        .await
+        .expect("test database");
+    Idempotency::new(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    let url = {
+        let (head, _) = base.rsplit_once('/').expect("a database in the URL");
+        format!("{head}/{database}")
+    };
+
+    let idle = idem(&url, &["list"]);
+    assert_eq!(idle.code, 0, "{}", idle.stderr);
+    assert!(
+        idle.stdout.contains("no claim is in flight"),
+        "{}",
+        idle.stdout
+    );
+
+    // A claim's trace: an advisory lock held in an open transaction.
+    let mut claim = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(42)")
+        .execute(&mut *claim)
+        .await
+        .expect("lock");
+    let busy = idem(&url, &["list"]);
+    assert_eq!(busy.code, 0, "{}", busy.stderr);
+    assert!(
+        busy.stdout.contains("committed claims only")
+            && busy
+                .stdout
+                .contains("1 session(s) of this database hold advisory locks"),
+        "{}",
+        busy.stdout
+    );
+    claim.rollback().await.expect("rollback");
+    pool.close().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {database} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .expect("drop database");
 }

@@ -48,7 +48,7 @@ pub use shutdown::{Closed, Shutdown};
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
     DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE, Idempotency,
-    migration_sql,
+    migration_sql, migration_steps,
 };
 pub use sweep::{Sweep, SweepReport};
 pub use tx::Tx;

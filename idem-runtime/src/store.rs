@@ -494,6 +494,31 @@ pub fn migration_sql<DB: Backend>(table: &str, partitioned: bool) -> String {
         .join("\n")
 }
 
+/// [`migration_sql`] one migration at a time: each one's version (the number of its
+/// file in the repository's `migrations/<backend>/`, from 1) and its SQL, in order.
+/// A migration folder of your own that holds the versions up to `n` needs only
+/// those after it (`idem migration --since n`).
+///
+/// # Examples
+///
+/// ```rust
+/// # extern crate idem_runtime as idem_axum;
+/// # #[cfg(feature = "sqlite")]
+/// # {
+/// let steps = idem_axum::migration_steps::<sqlx::Sqlite>("api_keys", false);
+/// assert_eq!(steps[0].0, 1);
+/// assert!(steps[0].1.contains("CREATE TABLE IF NOT EXISTS api_keys"));
+/// let new_since_1: Vec<_> = steps.iter().filter(|(version, _)| *version > 1).collect();
+/// assert!(!new_since_1.is_empty());
+/// # }
+/// ```
+pub fn migration_steps<DB: Backend>(table: &str, partitioned: bool) -> Vec<(u32, String)> {
+    (1..)
+        .zip(migrations::<DB>(table, partitioned))
+        .map(|(version, (sql, _))| (version, sql))
+        .collect()
+}
+
 /// The backend's migrations, in order, for `table`.
 fn migrations<DB: Backend>(table: &str, partitioned: bool) -> Vec<(String, Applied)> {
     let layout = Layout {

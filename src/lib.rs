@@ -92,6 +92,7 @@
 //! | `client` | `idem_axum::client`, the retrying tower layer for callers |
 //! | `reqwest` | `idem_axum::client::reqwest`, the same retries as `reqwest-middleware` middleware |
 //! | `metrics` | counters, histograms and a gauge through the `metrics` facade (below) |
+//! | `testing` | `idem_axum::testing::ExactlyOnce`, which proves in your tests that a handler runs exactly once and writes only through its `Tx` (a dev-dependency feature) |
 //!
 //! ```toml
 //! [dependencies]
@@ -310,6 +311,8 @@ pub use idem_runtime::Partitions;
 pub use idem_runtime::axum;
 #[cfg(feature = "client")]
 pub use idem_runtime::client;
+#[cfg(feature = "testing")]
+pub use idem_runtime::testing;
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]

@@ -598,7 +598,14 @@ impl<DB: Backend> Idempotency<DB> {
                 };
                 let announce = waits.then_some(signal);
                 let recording = Instant::now();
-                match DB::idem_record(&mut open, sql, id, claim, recorded, announce).await {
+                let written = if self.records_fail() {
+                    Err(sqlx::Error::Protocol(
+                        "the record fails on purpose (testing)".into(),
+                    ))
+                } else {
+                    DB::idem_record(&mut open, sql, id, claim, recorded, announce).await
+                };
+                match written {
                     Ok(Written::Recorded) => match DB::idem_commit(&mut open, sql, id).await {
                         Ok(()) => {
                             let conn = open.into_conn();

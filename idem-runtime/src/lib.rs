@@ -23,6 +23,9 @@ mod shutdown;
 mod signal;
 mod store;
 mod sweep;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod tx;
 
 #[cfg(feature = "mysql")]

@@ -72,6 +72,9 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) replay_cache: Option<ReplayCache>,
     pub(crate) signals: Signals,
     pub(crate) lifecycle: Arc<Lifecycle>,
+    /// Records fail on purpose, for `testing::ExactlyOnce`.
+    #[cfg(feature = "testing")]
+    pub(crate) failing_records: std::sync::atomic::AtomicBool,
 }
 
 impl<DB: Backend> Clone for Idempotency<DB> {
@@ -183,6 +186,27 @@ impl<DB: Backend> Idempotency<DB> {
     /// This store's migrations, in order, for its table.
     fn migrations(&self) -> Vec<(String, Applied)> {
         migrations::<DB>(&self.inner.table, self.inner.partitioned)
+    }
+
+    /// Makes every record fail (`on`) as if the database had refused it, so that
+    /// the handler's transaction rolls back: `testing::ExactlyOnce` then sees what
+    /// a handler wrote outside it.
+    #[cfg(feature = "testing")]
+    pub(crate) fn fail_records(&self, on: bool) {
+        self.inner
+            .failing_records
+            .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether records fail on purpose (see `fail_records`).
+    pub(crate) fn records_fail(&self) -> bool {
+        #[cfg(feature = "testing")]
+        return self
+            .inner
+            .failing_records
+            .load(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(not(feature = "testing"))]
+        false
     }
 
     /// The handle that shuts this store down gracefully: see [`Shutdown`].
@@ -347,6 +371,8 @@ impl<DB: Backend> Builder<DB> {
                 replay_cache: ReplayCache::new(self.replay_cache_bytes, self.replay_cache_refresh),
                 signals: Signals::new(),
                 lifecycle: Arc::new(Lifecycle::new()),
+                #[cfg(feature = "testing")]
+                failing_records: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }

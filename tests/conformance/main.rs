@@ -32,6 +32,7 @@ mod edges;
 #[cfg(feature = "mysql")]
 mod ended;
 mod harness;
+mod kit;
 #[cfg(feature = "postgres")]
 mod partitions;
 mod realistic;
@@ -64,6 +65,7 @@ use harness::My;
 use harness::{Lite, LiteDeferred};
 #[cfg(feature = "postgres")]
 use harness::{Pg, PgParted};
+use kit::the_testing_kit_proves_handlers_exactly_once;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
     idem_extractors_work_in_any_handler, nested_routes_keep_their_identity,
@@ -1345,4 +1347,5 @@ conformance!(
     handler_session_changes_never_reach_idem,
     handlers_that_end_their_own_transaction_never_run_twice,
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
+    the_testing_kit_proves_handlers_exactly_once,
 );

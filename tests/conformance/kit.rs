@@ -1,0 +1,185 @@
+//! `idem_axum::testing::ExactlyOnce`, the kit users prove their own handlers with,
+//! on every backend: it passes a handler written right, and catches one that writes
+//! through the pool instead of its `Tx` and one that is not idempotent at all.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{FromRef, State};
+use axum::http::{Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use idem_axum::axum::IdempotentRequest;
+use idem_axum::testing::{ExactlyOnce, Failure};
+use idem_axum::{Idempotency, Options};
+
+use crate::BODY;
+use crate::harness::Harness;
+
+struct KitApp<H: Harness> {
+    store: Idempotency<H::DB>,
+}
+
+impl<H: Harness> Clone for KitApp<H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<H: Harness> FromRef<KitApp<H>> for Idempotency<H::DB> {
+    fn from_ref(app: &KitApp<H>) -> Self {
+        app.store.clone()
+    }
+}
+
+fn scope_of(request: &IdempotentRequest<impl idem_axum::Backend>) -> String {
+    let header = request.parts().headers.get("x-scope");
+    header
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Written right: its one write goes through its `Tx`.
+async fn through_tx<H: Harness>(request: IdempotentRequest<H::DB>) -> Response {
+    let scope = scope_of(&request);
+    request
+        .run(&scope.clone(), Options::new(), move |mut tx| {
+            Box::pin(async move {
+                match H::insert_effect(&mut tx, &scope, "kit").await {
+                    Ok(id) => (StatusCode::CREATED, format!("effect {id}")).into_response(),
+                    Err(error) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response()
+                    }
+                }
+            })
+        })
+        .await
+}
+
+/// Written wrong: its write goes through the store's pool, outside the `Tx`.
+async fn through_pool<H: Harness>(
+    State(app): State<KitApp<H>>,
+    request: IdempotentRequest<H::DB>,
+) -> Response {
+    let scope = scope_of(&request);
+    let pool = app.store.pool().clone();
+    request
+        .run(&scope.clone(), Options::new(), move |tx| {
+            Box::pin(async move {
+                let _held = tx;
+                let written = async {
+                    let mut conn = pool.acquire().await?;
+                    H::exec(
+                        &mut *conn,
+                        "INSERT INTO effects (scope, note) VALUES ($1, $2)",
+                        &[&scope, "pool"],
+                    )
+                    .await
+                };
+                match written.await {
+                    Ok(_) => (StatusCode::CREATED, "written").into_response(),
+                    Err(error) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response()
+                    }
+                }
+            })
+        })
+        .await
+}
+
+/// Not idempotent at all: a plain handler on the same route shape.
+async fn unkeyed<H: Harness>(State(app): State<KitApp<H>>, request: Request<Body>) -> Response {
+    let scope = request
+        .headers()
+        .get("x-scope")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let Ok(mut conn) = app.store.pool().acquire().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
+    match H::exec(&mut *conn, sql, &[&scope, "unkeyed"]).await {
+        Ok(_) => (StatusCode::CREATED, "written").into_response(),
+        Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
+    }
+}
+
+fn kit<H: Harness>(h: &Arc<H>, path: &'static str, scope: &str) -> ExactlyOnce {
+    let app = Router::new()
+        .route("/tx", post(through_tx::<H>))
+        .route("/pool", post(through_pool::<H>))
+        .route("/unkeyed", post(unkeyed::<H>))
+        .with_state(KitApp::<H> {
+            store: h.store().clone(),
+        });
+    let request = {
+        let scope = scope.to_owned();
+        move || {
+            Request::post(path)
+                .header("x-scope", &scope)
+                .header("content-type", "application/json")
+                .body(Body::from(BODY))
+                .expect("request")
+        }
+    };
+    let count = {
+        let (h, scope) = (Arc::clone(h), scope.to_owned());
+        move || {
+            let (h, scope) = (Arc::clone(&h), scope.clone());
+            async move { h.effects(&scope).await }
+        }
+    };
+    ExactlyOnce::new(app, h.store(), request, count)
+}
+
+pub async fn the_testing_kit_proves_handlers_exactly_once<H: Harness>() {
+    let Some(h) = crate::start::<H>().await else {
+        return;
+    };
+    let h = Arc::new(h);
+
+    let right = kit(&h, "/tx", "kit-tx").check().await;
+    let report = right.expect("a handler that writes through its Tx passes");
+    assert_eq!(report.once, 1);
+
+    // SQLite has one writer: the handler's transaction holds it, so the pool's
+    // write waits for it and fails; the kit fails that handler at its first request.
+    let wrong = kit(&h, "/pool", "kit-pool").check().await;
+    if <H::DB as sqlx::Database>::NAME == "SQLite" {
+        assert!(
+            wrong.is_err(),
+            "a handler writing through the pool: {wrong:?}"
+        );
+    } else {
+        assert!(
+            matches!(wrong, Err(Failure::WroteOutsideTx { moved: 1 })),
+            "a handler writing through the pool: {wrong:?}"
+        );
+    }
+    assert!(
+        wrong
+            .as_ref()
+            .err()
+            .is_some_and(|e| !e.to_string().is_empty()),
+        "{wrong:?}"
+    );
+
+    let plain = kit(&h, "/unkeyed", "kit-plain").check().await;
+    assert!(
+        matches!(
+            plain,
+            Err(Failure::WroteOutsideTx { .. } | Failure::RanMoreThanOnce { .. })
+        ),
+        "a handler without idem: {plain:?}"
+    );
+
+    let Ok(h) = Arc::try_unwrap(h) else {
+        panic!("the kits are gone");
+    };
+    h.finish().await;
+}

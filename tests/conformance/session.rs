@@ -24,7 +24,7 @@ use idem_axum::{Idempotency, Options, Outcome};
 use tokio::sync::Notify;
 
 use crate::BODY;
-use crate::app::{Req, send};
+use crate::app::{Got, Req, send};
 use crate::harness::{Harness, SessionChange};
 
 /// Where a case's statements say the handler writes its effect; last when absent.
@@ -314,29 +314,7 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
             };
             let ran = AssertUnwindSafe(async {
                 let first = send(&app, &first).await;
-                let after_first = h.effects(&scope).await;
-                // Were it run, the retry would write and commit once more.
-                let retry = send(&app, &req).await;
-                assert_eq!(h.effects(&scope).await, after_first, "{name}: ran again");
-                assert_eq!(
-                    first.outcome,
-                    Some(Outcome::TransactionEnded),
-                    "{name}: {}",
-                    first.text()
-                );
-                assert_eq!(retry.status, 500, "{name}: {}", retry.text());
-                assert_eq!(
-                    retry.problem().as_deref(),
-                    Some("transaction-ended"),
-                    "{name}"
-                );
-                let rows = h.key_rows(&scope).await;
-                assert_eq!(rows.len(), 1, "{name}");
-                assert_eq!(
-                    (rows[0].1.state.as_str(), rows[0].1.status),
-                    ("completed", Some(500)),
-                    "{name}"
-                );
+                ended_for_good(&h, &app, &req, &first, &scope, &name).await;
             })
             .catch_unwind()
             .await;
@@ -424,33 +402,10 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
         gate.resume.notify_one();
         let first = first.await.expect("the first request");
         let ran = ran.is_ok()
-            && AssertUnwindSafe(async {
-                assert_eq!(
-                    first.outcome,
-                    Some(Outcome::TransactionEnded),
-                    "{name}: {}",
-                    first.text()
-                );
-                let after_first = h.effects(&scope).await;
-                let retry = send(&app, &req).await;
-                assert_eq!(h.effects(&scope).await, after_first, "{name}: ran again");
-                assert_eq!(
-                    (retry.status, retry.problem().as_deref()),
-                    (500, Some("transaction-ended")),
-                    "{name}: {}",
-                    retry.text()
-                );
-                let rows = h.key_rows(&scope).await;
-                assert_eq!(rows.len(), 1, "{name}");
-                assert_eq!(
-                    (rows[0].1.state.as_str(), rows[0].1.status),
-                    ("completed", Some(500)),
-                    "{name}"
-                );
-            })
-            .catch_unwind()
-            .await
-            .is_ok();
+            && AssertUnwindSafe(ended_for_good(&h, &app, &req, &first, &scope, name))
+                .catch_unwind()
+                .await
+                .is_ok();
         if !ran {
             failed.push(name.clone());
         }
@@ -462,6 +417,41 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
     );
     h.finish().await;
     assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
+/// After a first answer `first` whose handler ended its own transaction: it was
+/// answered `transaction-ended`, its retry replays that and never runs the handler
+/// (which would write once more), and the key's row is a completed 500.
+async fn ended_for_good<H: Harness>(
+    h: &H,
+    app: &Router,
+    req: &Req,
+    first: &Got,
+    scope: &str,
+    name: &str,
+) {
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::TransactionEnded),
+        "{name}: {}",
+        first.text()
+    );
+    let after_first = h.effects(scope).await;
+    let retry = send(app, req).await;
+    assert_eq!(h.effects(scope).await, after_first, "{name}: ran again");
+    assert_eq!(
+        (retry.status, retry.problem().as_deref()),
+        (500, Some("transaction-ended")),
+        "{name}: {}",
+        retry.text()
+    );
+    let rows = h.key_rows(scope).await;
+    assert_eq!(rows.len(), 1, "{name}");
+    assert_eq!(
+        (rows[0].1.state.as_str(), rows[0].1.status),
+        ("completed", Some(500)),
+        "{name}"
+    );
 }
 
 /// PostgreSQL: every timeout a DBA may set shorter than an endpoint's `lock`

@@ -71,14 +71,12 @@ async fn through_pool<H: Harness>(
         .run(&scope.clone(), Options::new(), move |tx| {
             Box::pin(async move {
                 let _held = tx;
+                // Committed on its own, whatever the session's autocommit.
                 let written = async {
-                    let mut conn = pool.acquire().await?;
-                    H::exec(
-                        &mut *conn,
-                        "INSERT INTO effects (scope, note) VALUES ($1, $2)",
-                        &[&scope, "pool"],
-                    )
-                    .await
+                    let mut own = pool.begin().await?;
+                    let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
+                    H::exec(&mut *own, sql, &[&scope, "pool"]).await?;
+                    own.commit().await
                 };
                 match written.await {
                     Ok(_) => (StatusCode::CREATED, "written").into_response(),
@@ -99,11 +97,13 @@ async fn unkeyed<H: Harness>(State(app): State<KitApp<H>>, request: Request<Body
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
-    let Ok(mut conn) = app.store.pool().acquire().await else {
-        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    let written = async {
+        let mut own = app.store.pool().begin().await?;
+        let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
+        H::exec(&mut *own, sql, &[&scope, "unkeyed"]).await?;
+        own.commit().await
     };
-    let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
-    match H::exec(&mut *conn, sql, &[&scope, "unkeyed"]).await {
+    match written.await {
         Ok(_) => (StatusCode::CREATED, "written").into_response(),
         Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
     }

@@ -37,13 +37,16 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// written is kept under another name, so that its body is still checked.
 fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
     let errors = error.to_compile_error();
-    let cfgs: Vec<_> = func
+    // The stub keeps the function's `cfg` and docs: a crate that denies missing
+    // docs gets no second error.
+    let kept: Vec<_> = func
         .attrs
         .iter()
-        .filter(|attr| attr.path().is_ident("cfg"))
+        .filter(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("doc"))
         .collect();
     let mut written = func.clone();
     written.attrs.retain(|attr| attr.path().is_ident("cfg"));
+    written.vis = syn::Visibility::Inherited;
     written.sig.ident = Ident::new(
         &format!("__idem_written_{}", func.sig.ident),
         func.sig.ident.span(),
@@ -56,7 +59,7 @@ fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
         #errors
         #[allow(dead_code, non_snake_case, clippy::all)]
         #written
-        #(#cfgs)*
+        #(#kept)*
         #[allow(dead_code, unused)]
         #vis async fn #ident #generics () #where_clause {}
     }

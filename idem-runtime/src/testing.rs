@@ -16,6 +16,9 @@
 //!    `Idempotent-Replayed: true`, and the count does not move;
 //! 4. **another body with the key is refused**: 422, and the count does not move.
 //!
+//! Give it a store no other test uses meanwhile: for the first check, every record
+//! of that store fails, whoever sends the request.
+//!
 //! # Examples
 //!
 //! ```rust,no_run

@@ -27,6 +27,10 @@ use crate::signal::signal_of;
 /// lock, as [`Sql::opening`] left it in the transaction's setting `idem.locked`.
 const LOCKED: &str = "current_setting('idem.locked', true) = 'true'";
 
+/// [`LOCKED`] as `false`, never null, where the setting may be gone (a handler
+/// ended the transaction, or ran `RESET ALL`).
+const STILL_HELD: &str = "coalesce(current_setting('idem.locked', true), '') = 'true'";
+
 /// The advisory lock of key `seed` in `table`. Keyed on the table itself (its oid,
 /// resolved as the statement's own table name is), so instances whose
 /// `search_path` differs take the same lock for the same table, and distinct
@@ -84,7 +88,7 @@ const KEPT_KEY: &str = "current_setting('idem.key', true)::int8";
 /// (`idem.locked`), as a value; `also`, a further condition.
 fn release_if_locked(also: &str) -> String {
     format!(
-        "CASE WHEN coalesce(current_setting('idem.locked', true), '') = 'true'{also} \
+        "CASE WHEN {STILL_HELD}{also} \
          THEN pg_advisory_unlock({}) END",
         session_lock(KEPT_KEY)
     )
@@ -128,7 +132,7 @@ fn still_locked(release: &str) -> String {
     } else {
         format!(", {release}")
     };
-    format!("SELECT coalesce(current_setting('idem.locked', true), '') = 'true'{release}")
+    format!("SELECT {STILL_HELD}{release}")
 }
 
 /// Restores what [`SAVE_SESSION`] saved (see there); the record's first statement. A
@@ -145,7 +149,7 @@ fn restore_session(release: &str) -> String {
     };
     format!(
         "SELECT \
-     coalesce(current_setting('idem.locked', true), '') = 'true' AS held, {release}\
+     {STILL_HELD} AS held, {release}\
      CASE WHEN current_setting('role') <> r THEN set_config('role', r, false) END, \
      CASE WHEN current_setting('search_path') <> p THEN set_config('search_path', p, false) END, \
      CASE WHEN current_setting('default_transaction_read_only') <> d \

@@ -55,7 +55,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Router;
@@ -73,7 +72,7 @@ pub struct ExactlyOnce {
     router: Router,
     request: Box<dyn Fn() -> Request<Body> + Send + Sync>,
     count: Count,
-    fail_records: Arc<dyn Fn(bool) + Send + Sync>,
+    fail_records: Box<dyn Fn(bool) + Send + Sync>,
     duplicates: usize,
     other_body: Option<Bytes>,
 }
@@ -173,7 +172,7 @@ impl ExactlyOnce {
             router,
             request: Box::new(request),
             count: Box::new(move || Box::pin(count())),
-            fail_records: Arc::new(move |on| store.fail_records(on)),
+            fail_records: Box::new(move |on| store.fail_records(on)),
             duplicates: 8,
             other_body: None,
         }
@@ -198,18 +197,16 @@ impl ExactlyOnce {
         let once = self.one_execution().await?;
         self.writes_go_through_the_tx().await?;
         let (answer, conflicts) = self.duplicates_run_once(once).await?;
-        self.retries_replay(&answer).await?;
-        self.other_bodies_are_refused().await?;
+        self.retries_replay(&answer, once).await?;
+        self.other_bodies_are_refused(&answer.key, once).await?;
         Ok(Report { once, conflicts })
     }
 
     async fn one_execution(&self) -> Result<i64, Failure> {
-        let before = (self.count)().await;
-        let answer = self.send(&fresh_key(), None).await;
+        let (answer, once) = self.counted(&fresh_key(), None).await;
         if !answer.status.is_success() {
             return Err(answer.unexpected("one request, expected a 2xx"));
         }
-        let once = (self.count)().await - before;
         if once == 0 {
             return Err(Failure::NothingCounted);
         }
@@ -217,11 +214,9 @@ impl ExactlyOnce {
     }
 
     async fn writes_go_through_the_tx(&self) -> Result<(), Failure> {
-        let before = (self.count)().await;
         (self.fail_records)(true);
-        let answer = self.send(&fresh_key(), None).await;
+        let (answer, moved) = self.counted(&fresh_key(), None).await;
         (self.fail_records)(false);
-        let moved = (self.count)().await - before;
         if moved != 0 {
             return Err(Failure::WroteOutsideTx { moved });
         }
@@ -273,31 +268,23 @@ impl ExactlyOnce {
         Ok((answer, conflicts))
     }
 
-    async fn retries_replay(&self, first: &Answer) -> Result<(), Failure> {
-        let before = (self.count)().await;
-        let replay = self.send(&first.key, None).await;
-        let moved = (self.count)().await - before;
+    async fn retries_replay(&self, first: &Answer, once: i64) -> Result<(), Failure> {
+        let (replay, moved) = self.counted(&first.key, None).await;
         if moved != 0 {
             return Err(Failure::RanMoreThanOnce {
                 what: "a retry",
-                once: 0,
+                once,
                 moved,
             });
         }
-        let replayed = replay.replayed;
-        if replay.status != first.status || replay.body != first.body || !replayed {
+        if replay.status != first.status || replay.body != first.body || !replay.replayed {
             return Err(replay.unexpected("a retry, expected the first answer replayed"));
         }
         Ok(())
     }
 
-    async fn other_bodies_are_refused(&self) -> Result<(), Failure> {
-        let key = fresh_key();
-        let first = self.send(&key, None).await;
-        if !first.status.is_success() {
-            return Err(first.unexpected("one request, expected a 2xx"));
-        }
-        let before = (self.count)().await;
+    /// `key`: one whose request was executed and recorded.
+    async fn other_bodies_are_refused(&self, key: &str, once: i64) -> Result<(), Failure> {
         let body = match &self.other_body {
             Some(body) => body.clone(),
             None => {
@@ -306,12 +293,11 @@ impl ExactlyOnce {
                 Bytes::from(body)
             }
         };
-        let other = self.send(&key, Some(body)).await;
-        let moved = (self.count)().await - before;
+        let (other, moved) = self.counted(key, Some(body)).await;
         if moved != 0 {
             return Err(Failure::RanMoreThanOnce {
                 what: "another body with a used key",
-                once: 0,
+                once,
                 moved,
             });
         }
@@ -319,6 +305,14 @@ impl ExactlyOnce {
             return Err(other.unexpected("another body with a used key, expected 422"));
         }
         Ok(())
+    }
+
+    /// Sends one request with `key` (and `body` in place of the request's): its
+    /// answer, and how much it moved the count.
+    async fn counted(&self, key: &str, body: Option<Bytes>) -> (Answer, i64) {
+        let before = (self.count)().await;
+        let answer = self.send(key, body).await;
+        (answer, (self.count)().await - before)
     }
 
     /// The body `request` builds.

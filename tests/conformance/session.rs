@@ -273,19 +273,7 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
     let Some(h) = crate::start::<H>().await else {
         return;
     };
-    let cases: Vec<SessionChange> = H::ENDING_STATEMENTS
-        .iter()
-        .map(|statement| SessionChange {
-            name: (*statement).to_owned(),
-            statements: vec![
-                EFFECT.to_owned(),
-                (*statement).to_owned(),
-                EFFECT.to_owned(),
-            ],
-            shadow: None,
-        })
-        .collect();
-    let cases = Arc::new(cases);
+    let cases = Arc::new(ending_cases(H::ENDING_STATEMENTS, &[]));
     let app = Router::new()
         .route("/effects", post(handler::<H>))
         .with_state(SessionApp::<H>::new(h.store().clone(), cases.clone()));
@@ -350,19 +338,7 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
         .copied()
         .filter(|s| holds || s.starts_with("COMMIT") || *s == "END")
         .collect();
-    let cases: Vec<SessionChange> = statements
-        .iter()
-        .map(|statement| SessionChange {
-            name: (*statement).to_owned(),
-            statements: vec![
-                EFFECT.to_owned(),
-                (*statement).to_owned(),
-                PAUSE.to_owned(),
-                EFFECT.to_owned(),
-            ],
-            shadow: None,
-        })
-        .collect();
+    let cases = ending_cases(&statements, &[PAUSE]);
     let state = SessionApp::<H>::new(h.store().clone(), Arc::new(cases.clone()));
     let gate = state.gate.clone();
     let app = Router::new()
@@ -417,6 +393,24 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
     );
     h.finish().await;
     assert!(failed.is_empty(), "failed (see above): {failed:#?}");
+}
+
+/// A case per statement that ends the handler's transaction: a write, the
+/// statement, then `between` and a second write.
+fn ending_cases(statements: &[&str], between: &[&str]) -> Vec<SessionChange> {
+    statements
+        .iter()
+        .map(|statement| {
+            let mut statements = vec![EFFECT.to_owned(), (*statement).to_owned()];
+            statements.extend(between.iter().map(|s| (*s).to_owned()));
+            statements.push(EFFECT.to_owned());
+            SessionChange {
+                name: (*statement).to_owned(),
+                statements,
+                shadow: None,
+            }
+        })
+        .collect()
 }
 
 /// After a first answer `first` whose handler ended its own transaction: it was

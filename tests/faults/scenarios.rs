@@ -1042,7 +1042,13 @@ pub async fn restart(db: &Fresh) -> Row {
             (k, first, retried)
         });
     }
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Restarted once the load flows: a key of the second wave has reached its
+    // handler, so the pool is connected and the next 35 keys, four at a time and
+    // 100 ms each inside a transaction, are still to run. A fixed pause met no
+    // request when the app's first connections were slow to open.
+    if let Err(error) = await_started(&a.addr, "restart-4").await {
+        row.problems.push(error);
+    }
     if let Err(error) = crate::db::restart_server(db.backend).await {
         row.problems.push(format!("restart: {error}"));
     }

@@ -17,11 +17,12 @@ use tokio::sync::oneshot;
 /// when the handler answers below 500, and rolls both back otherwise.
 ///
 /// It owns its connection and names no lifetime, so helpers and aliases spell it the
-/// way handlers do. A helper that takes `tx: &mut Tx<DB>` reaches the connection
-/// with `&mut **tx` (one `*` for the reference, one for the `Tx`); one that takes
-/// the connection itself (`conn: &mut PgConnection`, as sqlx suggests for helpers)
-/// is called with `&mut tx` and writes `&mut *conn`, as a handler does. An alias
-/// (`type PgTx = Tx<Postgres>`) hides the database from `#[idempotent]`, which
+/// way handlers do. With the `executor` feature (on by default) `&mut Tx<DB>` is
+/// itself an sqlx executor: a helper that takes `tx: &mut Tx<DB>` writes
+/// `.execute(tx)` or `.execute(&mut *tx)`, and a handler passes it `&mut tx`, as it
+/// does to a helper that takes any executor (`impl PgExecutor<'_>`). Without the
+/// feature, `&mut **tx` reaches the connection, and a helper may take the connection
+/// itself (`&mut PgConnection`). An alias (`type PgTx = Tx<Postgres>`) hides the database from `#[idempotent]`, which
 /// reads it from a parameter written `Tx<DB>`: a handler that takes the alias names
 /// it, `#[idempotent(db = Postgres, …)]` (the compile error says so). It is an axum extractor, valid only as a parameter of an
 /// `#[idempotent]` handler, which hands it the transaction once the key is claimed;
@@ -44,7 +45,7 @@ use tokio::sync::oneshot;
 ///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
 ///         .bind(amount)
 ///         .bind(user)
-///         .execute(&mut **tx)
+///         .execute(tx)
 ///         .await?;
 ///     Ok(())
 /// }
@@ -135,6 +136,85 @@ impl<DB: Database> fmt::Debug for Tx<DB> {
         f.debug_struct("Tx").field("backend", &DB::NAME).finish()
     }
 }
+
+/// `&mut Tx<DB>` as an executor, so that a helper taking `tx: &mut Tx<DB>` passes
+/// `tx` to sqlx as a handler passes `&mut tx`. Written per backend: a blanket impl
+/// over `DB` sends trait resolution in circles. Every required method hands over to
+/// the connection's own executor.
+#[cfg(all(
+    feature = "executor",
+    any(feature = "mysql", feature = "postgres", feature = "sqlite")
+))]
+macro_rules! executor_for_tx {
+    ($db:ty) => {
+        const _: () = {
+            use futures_util::future::BoxFuture;
+            use futures_util::stream::BoxStream;
+            use sqlx::{Database, Either, Execute};
+            use sqlx_core::{describe::Describe, sql_str::SqlStr};
+
+            impl<'c> sqlx::Executor<'c> for &'c mut Tx<$db> {
+                type Database = $db;
+
+                fn fetch_many<'e, 'q: 'e, E>(
+                    self,
+                    query: E,
+                ) -> BoxStream<
+                    'e,
+                    Result<
+                        Either<<$db as Database>::QueryResult, <$db as Database>::Row>,
+                        sqlx::Error,
+                    >,
+                >
+                where
+                    'c: 'e,
+                    E: 'q + Execute<'q, $db>,
+                {
+                    sqlx::Executor::fetch_many(&mut **self, query)
+                }
+
+                fn fetch_optional<'e, 'q: 'e, E>(
+                    self,
+                    query: E,
+                ) -> BoxFuture<'e, Result<Option<<$db as Database>::Row>, sqlx::Error>>
+                where
+                    'c: 'e,
+                    E: 'q + Execute<'q, $db>,
+                {
+                    sqlx::Executor::fetch_optional(&mut **self, query)
+                }
+
+                fn prepare_with<'e>(
+                    self,
+                    sql: SqlStr,
+                    parameters: &'e [<$db as Database>::TypeInfo],
+                ) -> BoxFuture<'e, Result<<$db as Database>::Statement, sqlx::Error>>
+                where
+                    'c: 'e,
+                {
+                    sqlx::Executor::prepare_with(&mut **self, sql, parameters)
+                }
+
+                fn describe<'e>(
+                    self,
+                    sql: SqlStr,
+                ) -> BoxFuture<'e, Result<Describe<$db>, sqlx::Error>>
+                where
+                    'c: 'e,
+                {
+                    sqlx::Executor::describe(&mut **self, sql)
+                }
+            }
+        };
+    };
+}
+
+#[cfg(all(feature = "executor", feature = "mysql"))]
+executor_for_tx!(sqlx::MySql);
+#[cfg(all(feature = "executor", feature = "postgres"))]
+executor_for_tx!(sqlx::Postgres);
+#[cfg(all(feature = "executor", feature = "sqlite"))]
+executor_for_tx!(sqlx::Sqlite);
 
 /// A pooled connection inside a transaction the engine opened, owned so that it can
 /// be lent to the handler. Dropped without [`commit`](Self::commit) or

@@ -61,7 +61,7 @@ macro_rules! effects {
 
             fn insert<'a>(tx: &'a mut Tx<Self>, note: &'a str) -> Boxed<'a, i64> {
                 Box::pin(async move {
-                    let done = sqlx::query($insert).bind(note).execute(&mut **tx).await?;
+                    let done = sqlx::query($insert).bind(note).execute(tx).await?;
                     Ok(i64::try_from(done.rows_affected()).unwrap_or(0))
                 })
             }

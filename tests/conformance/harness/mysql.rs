@@ -210,7 +210,7 @@ impl Harness for My {
             let done = sqlx::query("INSERT INTO effects (scope, note) VALUES (?, ?)")
                 .bind(scope)
                 .bind(note)
-                .execute(&mut **tx)
+                .execute(tx)
                 .await?;
             i64::try_from(done.last_insert_id()).map_err(|e| sqlx::Error::Decode(e.into()))
         })

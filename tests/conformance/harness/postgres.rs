@@ -238,7 +238,7 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
                 .persistent(false)
                 .bind(scope)
                 .bind(note)
-                .fetch_one(&mut **tx)
+                .fetch_one(tx)
                 .await
         })
     }

@@ -95,7 +95,7 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
             sqlx::query_scalar("INSERT INTO effects (scope, note) VALUES ($1, $2) RETURNING id")
                 .bind(scope)
                 .bind(note)
-                .fetch_one(&mut **tx)
+                .fetch_one(tx)
                 .await
         })
     }

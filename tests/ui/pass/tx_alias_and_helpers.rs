@@ -1,5 +1,6 @@
 //! `Tx<DB>` is one spelling everywhere: an alias of it as a parameter (the store's
-//! database then named with `db`), and helpers that take `&mut Tx<DB>` or the alias.
+//! database then named with `db`), and helpers that take `&mut Tx<DB>`, the alias or
+//! any executor, and hand it to sqlx in every form a handler would.
 
 use axum::extract::{FromRef, FromRequestParts};
 use axum::http::request::Parts;
@@ -8,7 +9,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idem_axum::{idempotent, Idempotency, IdempotencyKey, Tx};
 use serde::Deserialize;
-use sqlx::Postgres;
+use sqlx::{PgExecutor, Postgres};
 
 type PgTx = Tx<Postgres>;
 
@@ -43,7 +44,7 @@ async fn debit(tx: &mut PgTx, user: &str, amount: i64) -> Result<(), sqlx::Error
     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
         .bind(amount)
         .bind(user)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await?;
     Ok(())
 }
@@ -51,9 +52,23 @@ async fn debit(tx: &mut PgTx, user: &str, amount: i64) -> Result<(), sqlx::Error
 async fn audit(tx: &mut Tx<Postgres>, reference: &str) -> Result<(), sqlx::Error> {
     sqlx::query("INSERT INTO audit (reference) VALUES ($1)")
         .bind(reference)
-        .execute(&mut **tx)
+        .execute(tx)
         .await?;
     Ok(())
+}
+
+async fn balance(db: impl PgExecutor<'_>, user: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
+        .bind(user)
+        .fetch_one(db)
+        .await
+}
+
+async fn owner_of(tx: &mut PgTx, account: &str) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT owner FROM accounts WHERE id = $1")
+        .bind(account)
+        .fetch_optional(&mut **tx)
+        .await
 }
 
 #[idempotent(scope = "user", db = Postgres)]
@@ -64,6 +79,10 @@ async fn transfer(
     Json(t): Json<Transfer>,
 ) -> Result<StatusCode, StatusCode> {
     let failed = |_| StatusCode::SERVICE_UNAVAILABLE;
+    owner_of(&mut tx, &user.0).await.map_err(failed)?;
+    if balance(&mut tx, &user.0).await.map_err(failed)? < t.amount {
+        return Err(StatusCode::UNPROCESSABLE_ENTITY);
+    }
     debit(&mut tx, &user.0, t.amount).await.map_err(failed)?;
     audit(&mut tx, &key.derive("audit")).await.map_err(failed)?;
     Ok(StatusCode::CREATED)

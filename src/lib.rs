@@ -220,6 +220,8 @@
 /// | `required` | refuse requests without a key with 400 `missing-key` | `false` |
 /// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
 /// | `release_on` | the 4xx statuses that mean "not executed, try later": answered, rolled back and the key released like a 5xx, never recorded; `[]` records every answer below 500 | `[408, 425, 429]` |
+/// | `fingerprint` | `"json"`: a key's later uses must carry the same JSON value, not the same bytes (member order, whitespace, `1.0` for `1` do not count; RFC 8785's canonical form); a keyed body that is not JSON is 400 `invalid-json`. `"bytes"`: the SHA-256 of the raw body | `"bytes"` |
+/// | `ignore` | with `fingerprint = "json"`, JSON Pointers to members left out of the fingerprint, such as a time the client stamps into each send: `["/sent_at", "/meta/trace"]` | none |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
 /// | `crate` | the path your code names this crate by, when `Cargo.toml` renames it (`pay = { package = "idem-axum", … }` → `crate = "pay"`), or a re-export of it (`crate = "my_app::idem"`) | `idem_axum` |
 ///
@@ -300,9 +302,9 @@ pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE,
     HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED, Idempotency,
-    IdempotencyKey, InvalidKey, InvalidOptions, KeyRecord, MAX_KEY_LEN, Options, Outcome, Problem,
-    RequestIdentity, Scope, Shutdown, Sweep, SweepReport, Tx, fingerprint, migration_sql,
-    migration_steps,
+    IdempotencyKey, InvalidJson, InvalidKey, InvalidOptions, KeyRecord, MAX_KEY_LEN, Options,
+    Outcome, Problem, RequestIdentity, Scope, Shutdown, Sweep, SweepReport, Tx, fingerprint,
+    json_fingerprint, migration_sql, migration_steps,
 };
 
 #[cfg(feature = "postgres")]

@@ -1,12 +1,12 @@
 //! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
-//! `required`, `ttl_header`, `release_on`, `db`, `crate`.
+//! `required`, `ttl_header`, `release_on`, `fingerprint`, `ignore`, `db`, `crate`.
 
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Path, Token, Type};
 
 const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, \
-     `release_on`, `db`, `crate`";
+     `release_on`, `fingerprint`, `ignore`, `db`, `crate`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -30,6 +30,10 @@ pub(crate) struct Args {
     pub(crate) ttl_header: Option<LitBool>,
     /// The 4xx statuses answered but not recorded, when written.
     pub(crate) release_on: Option<Vec<u16>>,
+    /// `fingerprint = "json"`: the body's JSON value is fingerprinted, not its bytes.
+    pub(crate) json: bool,
+    /// The JSON Pointers `ignore` leaves out of a JSON fingerprint.
+    pub(crate) ignore: Vec<LitStr>,
     pub(crate) db: Option<Type>,
     /// The path the generated code names the facade by, when the dependency is
     /// renamed (`crate = "pay"`).
@@ -58,6 +62,7 @@ impl Parse for Args {
         let mut args = Self::default();
         let mut errors = Errors::default();
         let mut seen: Vec<String> = Vec::new();
+        let mut ignore_at = None;
         while !input.is_empty() {
             // `parse_any`: `crate` is a keyword.
             let name: Ident = Ident::parse_any(input).map_err(|e| {
@@ -122,6 +127,25 @@ impl Parse for Args {
                         "expected a list of 4xx statuses, like `release_on = [408, 425, 429]`",
                     )),
                 },
+                "fingerprint" => match input.parse()? {
+                    Lit::Str(lit) if lit.value() == "json" => args.json = true,
+                    Lit::Str(lit) if lit.value() == "bytes" => args.json = false,
+                    other => errors.push(Error::new_spanned(
+                        other,
+                        "expected `fingerprint = \"json\"` (the body's JSON value: key order, \
+                         whitespace and number spelling do not count) or `\"bytes\"` (the default)",
+                    )),
+                },
+                "ignore" => {
+                    let written: syn::Expr = input.parse()?;
+                    match pointers(&written) {
+                        Ok(list) => {
+                            ignore_at = Some(written);
+                            args.ignore = list;
+                        }
+                        Err(error) => errors.push(error),
+                    }
+                }
                 "required" | "ttl_header" | "unscoped" => match input.parse()? {
                     Lit::Bool(lit) => match key.as_str() {
                         "required" => args.required = Some(lit),
@@ -145,6 +169,12 @@ impl Parse for Args {
                 break;
             }
             input.parse::<Token![,]>()?;
+        }
+        if let (Some(written), false) = (&ignore_at, args.json) {
+            errors.push(Error::new_spanned(
+                written,
+                "`ignore` leaves members out of a JSON fingerprint: add `fingerprint = \"json\"`",
+            ));
         }
         let ttl = args.ttl.as_ref().map_or(DEFAULT_TTL_MS, |d| d.millis);
         let lock = args.lock.as_ref().map_or(DEFAULT_LOCK_MS, |d| d.millis);
@@ -187,6 +217,64 @@ fn statuses(array: &syn::ExprArray) -> syn::Result<Vec<u16>> {
     }
     errors.finish()?;
     Ok(list)
+}
+
+/// Reads `ignore`'s list: string literals, each a JSON Pointer (RFC 6901) to a
+/// member, each once. Every wrong element gets its own error.
+fn pointers(written: &syn::Expr) -> syn::Result<Vec<LitStr>> {
+    let syn::Expr::Array(array) = written else {
+        return Err(Error::new_spanned(
+            written,
+            "expected a list of JSON Pointers, like `ignore = [\"/sent_at\"]`",
+        ));
+    };
+    let mut errors = Errors::default();
+    let mut list: Vec<LitStr> = Vec::new();
+    for element in &array.elems {
+        let syn::Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(lit), ..
+        }) = element
+        else {
+            errors.push(Error::new_spanned(
+                element,
+                "expected a JSON Pointer as a string, like \"/sent_at\"",
+            ));
+            continue;
+        };
+        let pointer = lit.value();
+        if let Some(problem) = pointer_problem(&pointer) {
+            errors.push(Error::new_spanned(
+                lit,
+                format!("{pointer:?} is not a JSON Pointer to a member: {problem}"),
+            ));
+        } else if list.iter().any(|seen| seen.value() == pointer) {
+            errors.push(Error::new_spanned(
+                lit,
+                format!("{pointer:?} is listed twice"),
+            ));
+        } else {
+            list.push(lit.clone());
+        }
+    }
+    errors.finish()?;
+    Ok(list)
+}
+
+/// What is wrong with `pointer` as RFC 6901 writes one, if anything.
+fn pointer_problem(pointer: &str) -> Option<String> {
+    if pointer.is_empty() {
+        return Some("it names the whole body; name a member, like \"/sent_at\"".into());
+    }
+    if !pointer.starts_with('/') {
+        return Some(format!("it starts with `/`, like \"/{pointer}\""));
+    }
+    let mut chars = pointer.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
+            return Some("`~` is written `~0`, and a `/` inside a member name `~1`".into());
+        }
+    }
+    None
 }
 
 /// Parses "500ms", "30s", "15m", "24h", "3d" into milliseconds.

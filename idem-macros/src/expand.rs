@@ -239,6 +239,10 @@ impl<'a> Handler<'a> {
             .release_on
             .as_ref()
             .map(|statuses| quote!(.release_on(&[#(#statuses),*])));
+        let json = args.json.then(|| {
+            let ignore = &args.ignore;
+            quote!(.json_fingerprint(&[#(#ignore),*]))
+        });
         let options = quote! {
             #private::Options::new()
                 .ttl(::std::time::Duration::from_millis(#ttl))
@@ -247,6 +251,7 @@ impl<'a> Handler<'a> {
                 .required(#required)
                 .ttl_header(#ttl_header)
                 #release_on
+                #json
         };
 
         // Every parameter keeps its place, so that the function still takes what it

@@ -143,8 +143,25 @@ impl<DB: Backend> IdempotentRequest<DB> {
     where
         F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
-        let mut request = RequestIdentity::new(key, scope, &parts.method, client_uri(parts), body)
-            .with_content_type(content_type(parts));
+        // Only a keyed request is compared with another, so only its body need be
+        // JSON; options that fail `check` are refused by the engine.
+        let fingerprint = match (&key, options.check()) {
+            (Some(_), Ok(options)) => match options.fingerprint(body) {
+                Ok(fingerprint) => fingerprint,
+                Err(invalid) => {
+                    return problem_response(store, Problem::InvalidJson, &invalid.to_string());
+                }
+            },
+            _ => [0; 32],
+        };
+        let mut request = RequestIdentity::fingerprinted(
+            key,
+            scope,
+            &parts.method,
+            client_uri(parts),
+            fingerprint,
+        )
+        .with_content_type(content_type(parts));
         if let Some(route) = parts.extensions.get::<MatchedPath>() {
             request = request.with_endpoint(format!("{} {}", parts.method, route.as_str()));
         }

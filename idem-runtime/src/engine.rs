@@ -87,6 +87,18 @@ impl RequestIdentity {
         uri: &Uri,
         body: &[u8],
     ) -> Self {
+        Self::fingerprinted(key, scope, method, uri, fingerprint(body))
+    }
+
+    /// Identifies a request by a fingerprint of its body computed beforehand, such
+    /// as [`Options::fingerprint`]'s.
+    pub fn fingerprinted(
+        key: Option<IdempotencyKey>,
+        scope: impl Into<String>,
+        method: &Method,
+        uri: &Uri,
+        fingerprint: [u8; 32],
+    ) -> Self {
         let scope = scope.into();
         Self {
             key: key.map(|k| k.with_scope(&scope)),
@@ -96,7 +108,7 @@ impl RequestIdentity {
                 .path_and_query()
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
             content_type: String::new(),
-            fingerprint: fingerprint(body),
+            fingerprint,
             endpoint: None,
         }
     }

@@ -13,6 +13,7 @@ mod cache;
 #[cfg(feature = "client")]
 pub mod client;
 mod engine;
+mod json;
 mod key;
 mod metrics;
 mod options;
@@ -42,6 +43,7 @@ mod sqlite;
 pub use backend::Backend;
 pub use backend::KeyRecord;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity, fingerprint};
+pub use json::{InvalidJson, json_fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use options::{InvalidOptions, Options};
 pub use problem::Problem;

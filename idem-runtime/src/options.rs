@@ -35,6 +35,8 @@ pub struct Options {
     release: u128,
     /// A status given to `release_on` that is not a 4xx, for `check` to report.
     not_4xx: Option<u16>,
+    /// `Some`: the body's fingerprint is its JSON value's, without these pointers.
+    json: Option<&'static [&'static str]>,
 }
 
 /// 408 Request Timeout, 425 Too Early, 429 Too Many Requests: answers that say the
@@ -53,6 +55,7 @@ impl Options {
             ttl_header: false,
             release: 0,
             not_4xx: None,
+            json: None,
         }
         .release_on(&NOT_EXECUTED)
     }
@@ -154,6 +157,54 @@ impl Options {
         self
     }
 
+    /// Fingerprints the body as JSON: a key's later uses must carry the same JSON
+    /// value, not the same bytes. Member order, whitespace, string escapes and the
+    /// spelling of numbers (`1.0`, `1`, `1e0`) do not count, so a client that
+    /// rebuilds its body for a retry is not refused 422; the values at the JSON
+    /// Pointers in `ignore` (a time the client stamps into each send, say) do not
+    /// count either: an object member named there is left out, an array element
+    /// counts as `null`. The canonical form is RFC 8785's, except that an integer
+    /// beyond ±2^53 written without fraction or exponent is compared digit for
+    /// digit (two 64-bit ids never look alike).
+    ///
+    /// A keyed request whose body is not one JSON value (or repeats a member name
+    /// within an object) is answered 400 [`invalid-json`](crate::Problem::InvalidJson),
+    /// with nothing claimed. The default fingerprint is the SHA-256 of the raw
+    /// bytes. A pointer that does not start with `/`, or has a `~` not followed by
+    /// `0` or `1`, makes [`check`](Self::check) fail.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::Options;
+    ///
+    /// const PAYMENTS: Options = Options::new().json_fingerprint(&["/sent_at"]);
+    /// let first = PAYMENTS.fingerprint(br#"{"amount":100,"sent_at":"12:00:00"}"#).unwrap();
+    /// let retry = PAYMENTS.fingerprint(br#"{ "sent_at": "12:00:09", "amount": 1e2 }"#).unwrap();
+    /// assert_eq!(first, retry);
+    /// assert!(Options::new().json_fingerprint(&["sent_at"]).check().is_err());
+    /// ```
+    #[must_use]
+    pub const fn json_fingerprint(mut self, ignore: &'static [&'static str]) -> Self {
+        self.json = Some(ignore);
+        self
+    }
+
+    /// The fingerprint these options give `body`: of its bytes, or of its JSON
+    /// value (see [`json_fingerprint`](Self::json_fingerprint)).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidJson`](crate::InvalidJson) when the options fingerprint JSON and
+    /// `body` is not JSON.
+    pub fn fingerprint(&self, body: &[u8]) -> Result<[u8; 32], crate::InvalidJson> {
+        match self.json {
+            Some(ignore) => crate::json_fingerprint(body, ignore),
+            None => Ok(crate::fingerprint(body)),
+        }
+    }
+
     /// Whether an answer with `status` is recorded and replayed: below 500, and
     /// not one of [`release_on`](Self::release_on)'s.
     pub const fn records(&self, status: http::StatusCode) -> bool {
@@ -164,8 +215,9 @@ impl Options {
         status < 400 || self.release & (1 << (status - 400)) == 0
     }
 
-    /// Checks that the options are consistent: `lock` shorter than `ttl`, and
-    /// only 4xx statuses in [`release_on`](Self::release_on). The
+    /// Checks that the options are consistent: `lock` shorter than `ttl`, only 4xx
+    /// statuses in [`release_on`](Self::release_on), and JSON Pointers in
+    /// [`json_fingerprint`](Self::json_fingerprint). The
     /// engine refuses every request of an endpoint whose options fail this, with
     /// 500 [`invalid-options`](crate::Problem::InvalidOptions), before anything runs.
     /// In a `const` the failure is a compile error.
@@ -188,6 +240,15 @@ impl Options {
     pub const fn check(self) -> Result<Self, InvalidOptions> {
         if let Some(status) = self.not_4xx {
             return Err(InvalidOptions(Invalid::NotA4xx(status)));
+        }
+        if let Some(ignore) = self.json {
+            let mut i = 0;
+            while i < ignore.len() {
+                if !crate::json::is_pointer(ignore[i]) {
+                    return Err(InvalidOptions(Invalid::NotAPointer(ignore[i])));
+                }
+                i += 1;
+            }
         }
         if self.lock.as_nanos() < self.ttl.as_nanos() {
             Ok(self)
@@ -253,6 +314,7 @@ pub struct InvalidOptions(Invalid);
 enum Invalid {
     LockNotShorter { ttl: Duration, lock: Duration },
     NotA4xx(u16),
+    NotAPointer(&'static str),
 }
 
 impl std::fmt::Display for InvalidOptions {
@@ -266,6 +328,11 @@ impl std::fmt::Display for InvalidOptions {
                 f,
                 "release_on takes statuses from 400 to 499, not {status}: an answer of 500 or \
                  above is always released, and one below 400 always recorded"
+            ),
+            Invalid::NotAPointer(pointer) => write!(
+                f,
+                "json_fingerprint's {pointer:?} is not a JSON Pointer to a member: it starts \
+                 with `/`, and each `~` is followed by `0` (for `~`) or `1` (for `/`)"
             ),
         }
     }

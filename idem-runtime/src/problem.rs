@@ -36,6 +36,11 @@ pub enum Problem {
     PayloadMismatch,
     /// 413: the request body is larger than the endpoint accepts.
     PayloadTooLarge,
+    /// 400: the endpoint fingerprints bodies as JSON
+    /// ([`Options::json_fingerprint`](crate::Options::json_fingerprint)) and this
+    /// keyed request's body is not one JSON value, or repeats a member name within
+    /// an object; nothing was claimed.
+    InvalidJson,
     /// 408: the request body did not arrive within the store's
     /// [`body_timeout`](crate::Builder::body_timeout); nothing was claimed.
     RequestTimeout,
@@ -74,7 +79,7 @@ impl Problem {
     /// The HTTP status this problem is answered with.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey => StatusCode::BAD_REQUEST,
+            Self::MissingKey | Self::InvalidKey | Self::InvalidJson => StatusCode::BAD_REQUEST,
             Self::InFlight => StatusCode::CONFLICT,
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -97,6 +102,7 @@ impl Problem {
             Self::InFlight => "in-flight",
             Self::PayloadMismatch => "payload-mismatch",
             Self::PayloadTooLarge => "payload-too-large",
+            Self::InvalidJson => "invalid-json",
             Self::RequestTimeout => "request-timeout",
             Self::LeaseExpired => "lease-expired",
             Self::ResponseTooLarge => "response-too-large",
@@ -116,6 +122,7 @@ impl Problem {
             Self::InFlight => "Request with this key is in flight",
             Self::PayloadMismatch => "Idempotency-Key reused with another request",
             Self::PayloadTooLarge => "Request body too large",
+            Self::InvalidJson => "Request body is not JSON",
             Self::RequestTimeout => "Request body too slow",
             Self::LeaseExpired => "Request ran past its lock and was rolled back",
             Self::ResponseTooLarge => "Response too large to store",

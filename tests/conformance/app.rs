@@ -123,6 +123,10 @@ async fn effect<H: Harness>(
         options = options.wait(Duration::from_millis(n));
     }
     options = options.ttl_header(headers.contains_key("x-ttl-header"));
+    // A pointer without its leading `/`: options `check` refuses.
+    if headers.contains_key("x-bad-pointer") {
+        options = options.json_fingerprint(&["/sent_at", "sent_at"]);
+    }
     // `x-release-on: 409,429` (empty: none) replaces the statuses left unrecorded.
     if let Some(list) = headers.get("x-release-on").and_then(|v| v.to_str().ok()) {
         let statuses: Vec<u16> = list

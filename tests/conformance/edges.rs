@@ -232,6 +232,15 @@ pub async fn inconsistent_options_are_refused<H: Harness>() {
     assert_eq!(got.status, 500, "{}", got.text());
     assert_eq!(got.problem().as_deref(), Some("invalid-options"));
     assert!(got.text().contains("lock"), "{}", got.text());
+    let pointer = Req::post("alice", "k-pointer", BODY).header("x-bad-pointer", 1);
+    let got = send(&app, &pointer).await;
+    assert_eq!(got.status, 500, "{}", got.text());
+    assert_eq!(got.problem().as_deref(), Some("invalid-options"));
+    assert!(
+        got.text().contains("\\\"sent_at\\\" is not a JSON Pointer"),
+        "{}",
+        got.text()
+    );
     assert_eq!(h.effects("alice").await, 0);
     assert!(h.key_rows("alice").await.is_empty());
     h.finish().await;

@@ -32,6 +32,7 @@ mod edges;
 #[cfg(feature = "mysql")]
 mod ended;
 mod harness;
+mod json;
 mod kit;
 #[cfg(feature = "postgres")]
 mod partitions;
@@ -65,6 +66,7 @@ use harness::My;
 use harness::{Lite, LiteDeferred};
 #[cfg(feature = "postgres")]
 use harness::{Pg, PgParted};
+use json::{browser_sent_keys_are_keys, json_fingerprints_compare_values_not_bytes};
 use kit::the_testing_kit_proves_handlers_exactly_once;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
@@ -1302,6 +1304,8 @@ macro_rules! conformance {
 
 conformance!(
     concurrent_duplicates_execute_once,
+    json_fingerprints_compare_values_not_bytes,
+    browser_sent_keys_are_keys,
     duplicates_in_flight_answer_at_once,
     waiting_duplicates_all_get_the_response,
     waiting_ends_in_409_at_its_bound,

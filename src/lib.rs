@@ -309,6 +309,8 @@ pub use idem_runtime::{
 
 #[cfg(feature = "postgres")]
 pub use idem_runtime::Partitions;
+#[cfg(feature = "aide")]
+pub use idem_runtime::aide;
 #[cfg(feature = "axum")]
 pub use idem_runtime::axum;
 #[cfg(feature = "client")]

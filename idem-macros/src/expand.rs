@@ -239,6 +239,8 @@ impl<'a> Handler<'a> {
             .release_on
             .as_ref()
             .map(|statuses| quote!(.release_on(&[#(#statuses),*])));
+        // What documentation generators read from the types (`openapi::doc`).
+        let doc = u8::from(required) | (u8::from(ttl_header) << 1);
         let json = args.json.then(|| {
             let ignore = &args.ignore;
             quote!(.json_fingerprint(&[#(#ignore),*]))
@@ -266,7 +268,7 @@ impl<'a> Handler<'a> {
         for (i, param) in self.params.iter().enumerate() {
             let (pat, ty, a, v) = (&param.pat, &param.ty, arg(i), value(i));
             let taken = if i == last {
-                inputs.push(quote!(#a: #private::Buffered<#db, #ty>));
+                inputs.push(quote!(#a: #private::Buffered<#db, #ty, #doc>));
                 quote!(#v)
             } else if is_named(ty, "State") {
                 inputs.push(quote!(#param));
@@ -287,7 +289,7 @@ impl<'a> Handler<'a> {
         }
         let (last_arg, last_value) = (arg(last), value(last));
         if self.params.is_empty() {
-            inputs.push(quote!(#last_arg: #private::Buffered<#db, ()>));
+            inputs.push(quote!(#last_arg: #private::Buffered<#db, (), #doc>));
         }
         let scope_value = match scope_param {
             Some((_, (ident, ty))) => quote_spanned!(ty.span()=> #private::scope_of(&#ident)),
@@ -306,6 +308,15 @@ impl<'a> Handler<'a> {
             check if check.is_empty() => quote!(#user_body.await),
             check => quote!(#check(#user_body.await)),
         };
+        // The handler's own return type, unless an `impl Trait` in it cannot be named.
+        let answer = match &func.sig.output {
+            ReturnType::Default => quote!(()),
+            ReturnType::Type(_, ty) if names_impl_trait(&ty.to_token_stream()) => {
+                quote!(#private::Response)
+            }
+            ReturnType::Type(_, ty) => ty.to_token_stream(),
+        };
+        let answered = Ident::new("__idem_answered", Span::mixed_site());
         let attrs = &func.attrs;
         let vis = &func.vis;
         let ident = &func.sig.ident;
@@ -314,12 +325,12 @@ impl<'a> Handler<'a> {
 
         Ok(quote! {
             #(#attrs)*
-            #vis async fn #ident #generics (#(#inputs),*) -> #private::Response #where_clause {
+            #vis async fn #ident #generics (#(#inputs),*) -> #private::Answer<#answer, #doc> #where_clause {
                 let (#call, #last_value) = #last_arg.into_parts();
                 let #mark = #private::InHandler::of(&#call);
                 #(#before)*
                 let #scope: ::std::string::String = #scope_value;
-                #call
+                let #answered = #call
                     .run(&#scope.clone(), #options, move |#tx| {
                         ::std::boxed::Box::pin(async move {
                             #[allow(unused_imports)]
@@ -335,7 +346,8 @@ impl<'a> Handler<'a> {
                             #private::IntoResponse::into_response(#output)
                         })
                     })
-                    .await
+                    .await;
+                #private::Answer::new(#answered)
             }
         })
     }
@@ -461,6 +473,15 @@ fn return_type_guard(output: &ReturnType) -> TokenStream {
             return #fake;
         }
     }
+}
+
+/// Whether `tokens` hold an `impl` (an `impl Trait` anywhere in a type).
+fn names_impl_trait(tokens: &TokenStream) -> bool {
+    tokens.clone().into_iter().any(|token| match token {
+        proc_macro2::TokenTree::Ident(ident) => ident == "impl",
+        proc_macro2::TokenTree::Group(group) => names_impl_trait(&group.stream()),
+        _ => false,
+    })
 }
 
 /// For `-> impl Trait`: an identity function bounded by `Trait`, so the bounds the

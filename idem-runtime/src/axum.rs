@@ -212,16 +212,42 @@ where
 /// The user's extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any
 /// `FromRequestParts` type) sees the request exactly as sent; if it rejects the
 /// request, its rejection is the answer and nothing is stored.
+///
+/// `DOC` carries the options documentation generators read (`openapi::doc`).
 #[doc(hidden)]
 #[derive(Debug)]
-pub struct Buffered<DB: Backend, T> {
+pub struct Buffered<DB: Backend, T, const DOC: u8 = 0> {
     request: IdempotentRequest<DB>,
     value: T,
 }
 
-impl<DB: Backend, T> Buffered<DB, T> {
+impl<DB: Backend, T, const DOC: u8> Buffered<DB, T, DOC> {
     pub fn into_parts(self) -> (IdempotentRequest<DB>, T) {
         (self.request, self.value)
+    }
+}
+
+/// What a handler rewritten by `#[idempotent]` returns: the response, and in its
+/// type the handler's own return type `O`, for documentation generators to read
+/// (aide documents `O`'s responses, with the headers of a replayed answer).
+#[doc(hidden)]
+pub struct Answer<O, const DOC: u8 = 0>(Response, std::marker::PhantomData<fn() -> O>);
+
+impl<O, const DOC: u8> Answer<O, DOC> {
+    pub fn new(response: Response) -> Self {
+        Self(response, std::marker::PhantomData)
+    }
+}
+
+impl<O, const DOC: u8> IntoResponse for Answer<O, DOC> {
+    fn into_response(self) -> Response {
+        self.0
+    }
+}
+
+impl<O, const DOC: u8> std::fmt::Debug for Answer<O, DOC> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Answer").field(&self.0.status()).finish()
     }
 }
 
@@ -427,7 +453,7 @@ impl<T: ?Sized, DB: Backend> Inert<DB> for &mut T {}
 #[derive(Debug)]
 pub struct ViaBuffered;
 
-impl<S, DB, T, M> FromRequest<S, (ViaBuffered, M)> for Buffered<DB, T>
+impl<S, DB, T, M, const DOC: u8> FromRequest<S, (ViaBuffered, M)> for Buffered<DB, T, DOC>
 where
     S: Send + Sync,
     DB: Backend,

@@ -1,0 +1,158 @@
+//! What an idempotent operation adds to an OpenAPI 3 document, written once as
+//! JSON and read into each library's own model (`aide`, `utoipa`): the
+//! `Idempotency-Key` request header, the headers a recorded answer carries, and the
+//! problems idem answers by itself (`docs/outcomes.md`), with the problem+json body
+//! idem writes (`src/problem.rs`).
+
+use serde_json::{Value, json};
+
+use crate::Problem;
+use crate::key::MAX_KEY_LEN;
+
+/// The request header's parameter object.
+pub(crate) fn key_parameter(required: bool) -> Value {
+    json!({
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": required,
+        "description": "Makes the request safe to retry: a repeat with the same key and \
+            request gets the recorded answer (with `Idempotent-Replayed: true`) instead of \
+            running again. Quoted (`\"…\"`, the IETF draft's structured-field string) or bare.",
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_KEY_LEN + 2,
+            "pattern": "^[\\x20-\\x7E]+$",
+        },
+        "example": "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"",
+    })
+}
+
+/// Headers of an answer idem records: every 2xx–4xx the handler gives.
+pub(crate) fn answer_headers(ttl_header: bool) -> serde_json::Map<String, Value> {
+    let mut headers = serde_json::Map::new();
+    headers.insert(
+        "Idempotent-Replayed".to_owned(),
+        json!({
+            "description": "`true` when this is the recorded answer of an earlier request \
+                with the same key, sent again without running the handler; absent otherwise.",
+            "schema": { "type": "string", "enum": ["true"] },
+        }),
+    );
+    if ttl_header {
+        headers.insert(
+            "Idempotency-Key-TTL".to_owned(),
+            json!({
+                "description": "How many seconds the key is kept, counted from its first request.",
+                "schema": { "type": "integer", "minimum": 0 },
+            }),
+        );
+    }
+    headers
+}
+
+/// The problem+json body idem writes (RFC 9457).
+pub(crate) fn problem_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["type", "title", "status", "detail"],
+        "properties": {
+            "type": { "type": "string", "format": "uri-reference" },
+            "title": { "type": "string" },
+            "status": { "type": "integer", "minimum": 100, "maximum": 599 },
+            "detail": { "type": "string" },
+        },
+    })
+}
+
+/// The answers idem gives before or instead of the handler, by status.
+pub(crate) fn problem_responses() -> Vec<(u16, Value)> {
+    let groups: [(u16, &[Problem], &str); 4] = [
+        (
+            400,
+            &[
+                Problem::MissingKey,
+                Problem::InvalidKey,
+                Problem::InvalidJson,
+            ],
+            "The Idempotency-Key header is missing (where required), malformed or \
+             repeated, or the body is not the JSON the endpoint fingerprints: nothing ran.",
+        ),
+        (
+            409,
+            &[Problem::InFlight],
+            "A request with this key is still running: retry after `Retry-After` seconds.",
+        ),
+        (
+            422,
+            &[Problem::PayloadMismatch],
+            "This key was first used with another method, path, content type or body: \
+             nothing ran, and the first request's record is unchanged.",
+        ),
+        (
+            503,
+            &[
+                Problem::StoreUnavailable,
+                Problem::LeaseExpired,
+                Problem::ShuttingDown,
+            ],
+            "Nothing of the request was kept: retry with the same key after `Retry-After` \
+             seconds.",
+        ),
+    ];
+    groups
+        .into_iter()
+        .map(|(status, problems, description)| {
+            let slugs: Vec<&str> = problems.iter().map(|p| p.slug()).collect();
+            let mut response = json!({
+                "description": format!("{description} Problem types: {}.", slugs.join(", ")),
+                "content": {
+                    "application/problem+json": { "schema": problem_schema() },
+                },
+            });
+            if problems.iter().any(|p| p.retry_after()) {
+                response["headers"] = json!({
+                    "Retry-After": {
+                        "description": "Seconds to wait before retrying with the same key.",
+                        "schema": { "type": "integer", "minimum": 0 },
+                    },
+                });
+            }
+            (status, response)
+        })
+        .collect()
+}
+
+/// Adds the recorded answers' headers to `response` (a response object as JSON),
+/// keeping any the application documented itself.
+pub(crate) fn with_answer_headers(mut response: Value, ttl_header: bool) -> Value {
+    if let Some(object) = response.as_object_mut() {
+        let headers = object
+            .entry("headers")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if let Some(headers) = headers.as_object_mut() {
+            for (name, header) in answer_headers(ttl_header) {
+                headers.entry(name).or_insert(header);
+            }
+        }
+    }
+    response
+}
+
+/// Whether answers with `status` are recorded, so may be replayed (below 500, as
+/// `Options::records` has it, but for the statuses a store may release).
+pub(crate) fn recorded(status: Option<u16>) -> bool {
+    status.is_none_or(|s| (200..500).contains(&s) && ![408, 425, 429].contains(&s))
+}
+
+/// The flags `#[idempotent]` writes into the types of a rewritten handler, so that
+/// documentation generators see the endpoint's options.
+pub(crate) mod doc {
+    /// `required = true`, or a parameter of type `IdempotencyKey`.
+    pub(crate) const REQUIRED: u8 = 1;
+    /// `ttl_header = true`.
+    pub(crate) const TTL_HEADER: u8 = 2;
+}
+
+#[cfg(feature = "aide")]
+pub(crate) mod aide;

@@ -86,6 +86,7 @@
 //! | feature | what it adds |
 //! | --- | --- |
 //! | `axum` (default) | the `#[idempotent]` attribute, `axum::IdempotentRequest` for handlers written by hand |
+//! | `executor` (default) | `&mut Tx<DB>` as an sqlx `Executor`, so helpers write `.execute(tx)`; turns on sqlx's `macros` (one of sqlx's defaults) |
 //! | `postgres` | the PostgreSQL backend, and `Partitions` for its partitioned layout |
 //! | `mysql` | the MySQL / MariaDB backend |
 //! | `sqlite` | the SQLite backend |
@@ -93,6 +94,8 @@
 //! | `reqwest` | `idem_axum::client::reqwest`, the same retries as `reqwest-middleware` middleware |
 //! | `metrics` | counters, histograms and a gauge through the `metrics` facade (below) |
 //! | `testing` | `idem_axum::testing::ExactlyOnce`, which proves in your tests that a handler runs exactly once and writes only through its `Tx` (a dev-dependency feature) |
+//! | `aide` | OpenAPI through aide: `#[idempotent]` handlers document their key header, replays and idem's problems by themselves; `idem_axum::aide` |
+//! | `utoipa` | OpenAPI through utoipa: `idem_axum::utoipa::KeyHeader` for `params(…)`, `Problems` for `responses(…)`, the `Replays` modifier |
 //!
 //! ```toml
 //! [dependencies]
@@ -317,6 +320,8 @@ pub use idem_runtime::axum;
 pub use idem_runtime::client;
 #[cfg(feature = "testing")]
 pub use idem_runtime::testing;
+#[cfg(feature = "utoipa")]
+pub use idem_runtime::utoipa;
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]

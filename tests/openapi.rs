@@ -4,18 +4,18 @@
 //! the headers of a replayed answer, and idem's own problem answers, on keyed
 //! operations only.
 
-use std::path::PathBuf;
-use std::process::Command;
+#[path = "support/openapi.rs"]
+mod openapi;
 
 use aide::axum::ApiRouter;
 use aide::axum::routing::{post, post_with};
 use aide::openapi::OpenApi;
 use axum::Json;
 use axum::http::StatusCode;
+use idem_axum::utoipa::{KeyHeader, OptionalKeyHeader, Problems, Replays};
 use idem_axum::{Idempotency, IdempotencyKey, Tx, idempotent};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use sqlx::Sqlite;
 use sqlx::sqlite::SqlitePoolOptions;
 
@@ -61,83 +61,6 @@ async fn list_payments() -> Json<Vec<Payment>> {
     Json(Vec::new())
 }
 
-/// Validates `document` with the Python validator; a missing validator fails.
-fn validate(name: &str, document: &Value) {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let path = dir.join(format!("{name}.json"));
-    let text = serde_json::to_string_pretty(document).expect("serialize");
-    std::fs::write(&path, text).expect("write the document");
-    let out = Command::new("python3")
-        .args(["-m", "openapi_spec_validator"])
-        .arg(&path)
-        .output()
-        .expect("python3 runs (`.ci/run` installs openapi-spec-validator)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !stderr.contains("No module named"),
-        "the validator is missing: `python3 -m pip install openapi-spec-validator` (`.ci/run` does)"
-    );
-    assert!(
-        out.status.success(),
-        "{} is not a valid OpenAPI document:\n{}{}",
-        path.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn key_parameter(operation: &Value) -> Option<&Value> {
-    operation["parameters"]
-        .as_array()?
-        .iter()
-        .find(|p| p["in"] == "header" && p["name"] == "Idempotency-Key")
-}
-
-/// What a keyed operation must say, whichever library wrote it.
-fn assert_keyed(operation: &Value, success: &str, required: bool, ttl_header: bool) {
-    let key = key_parameter(operation).unwrap_or_else(|| panic!("no key header: {operation:#}"));
-    assert_eq!(
-        key["required"].as_bool().unwrap_or(false),
-        required,
-        "{key:#}"
-    );
-    assert_eq!(key["schema"]["type"], "string");
-    let responses = &operation["responses"];
-    let headers = &responses[success]["headers"];
-    assert!(
-        headers.get("Idempotent-Replayed").is_some(),
-        "{responses:#}"
-    );
-    assert_eq!(
-        headers.get("Idempotency-Key-TTL").is_some(),
-        ttl_header,
-        "{headers:#}"
-    );
-    for status in ["400", "409", "422", "503"] {
-        let schema = &responses[status]["content"]["application/problem+json"]["schema"];
-        let fields = &schema["properties"];
-        for field in ["type", "title", "status", "detail"] {
-            assert!(fields.get(field).is_some(), "{status} {field}: {schema:#}");
-        }
-    }
-    for status in ["409", "503"] {
-        assert!(
-            responses[status]["headers"].get("Retry-After").is_some(),
-            "{status}"
-        );
-    }
-}
-
-fn assert_unkeyed(operation: &Value) {
-    assert!(key_parameter(operation).is_none(), "{operation:#}");
-    for status in ["409", "422"] {
-        assert!(
-            operation["responses"].get(status).is_none(),
-            "{operation:#}"
-        );
-    }
-}
-
 #[tokio::test]
 async fn aide_documents_idempotent_handlers_by_themselves() {
     aide::generate::infer_responses(true);
@@ -160,12 +83,12 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
         .finish_api(&mut api)
         .with_state(store);
     let document = serde_json::to_value(&api).expect("serialize");
-    validate("aide", &document);
+    openapi::validate("aide", &document);
 
     let paths = &document["paths"];
-    assert_keyed(&paths["/payments"]["post"], "201", true, true);
-    assert_keyed(&paths["/refunds"]["post"], "200", false, false);
-    assert_unkeyed(&paths["/payments"]["get"]);
+    openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, true);
+    openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
+    openapi::assert_unkeyed(&paths["/payments"]["get"]);
     // The handler's own response and body are still there.
     let created = &paths["/payments"]["post"]["responses"]["201"];
     assert!(
@@ -174,4 +97,60 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
     );
     let body = &paths["/payments"]["post"]["requestBody"]["content"]["application/json"];
     assert!(body["schema"].is_object(), "{body:#}");
+}
+
+#[utoipa::path(post, path = "/payments", params(KeyHeader),
+    responses((status = 201, description = "The payment", body = UtoipaPayment)))]
+#[idempotent(unscoped = true, required = true)]
+async fn utoipa_create(tx: Tx<Sqlite>, Json(new): Json<NewPayment>) -> (StatusCode, Json<Payment>) {
+    drop(tx);
+    (
+        StatusCode::CREATED,
+        Json(Payment {
+            id: 3,
+            amount: new.amount,
+        }),
+    )
+}
+
+#[utoipa::path(post, path = "/refunds", params(OptionalKeyHeader),
+    responses((status = 200, description = "The refund"), Problems))]
+#[idempotent(unscoped = true)]
+async fn utoipa_refund(tx: Tx<Sqlite>) -> StatusCode {
+    drop(tx);
+    StatusCode::OK
+}
+
+#[utoipa::path(get, path = "/payments", responses((status = 200, description = "All payments")))]
+async fn utoipa_list() -> StatusCode {
+    StatusCode::OK
+}
+
+/// utoipa's schema of the response body, as an app writes one.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct UtoipaPayment {
+    id: i64,
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(utoipa_create, utoipa_refund, utoipa_list), modifiers(&Replays))]
+struct UtoipaDoc;
+
+#[test]
+fn utoipa_documents_keyed_operations_with_one_parameter_and_one_modifier() {
+    use utoipa::OpenApi as _;
+    // The handlers route as usual.
+    let _app: axum::Router<Idempotency<Sqlite>> = axum::Router::new()
+        .route(
+            "/payments",
+            axum::routing::post(utoipa_create).get(utoipa_list),
+        )
+        .route("/refunds", axum::routing::post(utoipa_refund));
+    let document = serde_json::to_value(UtoipaDoc::openapi()).expect("serialize");
+    openapi::validate("utoipa", &document);
+    let paths = &document["paths"];
+    openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, false);
+    openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
+    openapi::assert_unkeyed(&paths["/payments"]["get"]);
 }

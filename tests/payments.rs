@@ -6,6 +6,8 @@
 
 #[path = "support/example.rs"]
 mod example;
+#[path = "support/openapi.rs"]
+mod openapi;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -352,6 +354,7 @@ async fn payments_example_on_sqlite_default() {
     contract(&server.addr).await;
     storm(&server.addr).await;
     eprintln!("sqlite payments contract: {:?}", started.elapsed());
+    documented(&server.addr).await;
     metrics_count_what_happened(&server.addr).await;
     drop(server);
     // The demo's default: a scratch database of its own, removed when it ends.
@@ -367,6 +370,22 @@ async fn payments_example_on_sqlite_default() {
         .count();
     assert_eq!(scratch, 0, "the demo removes its scratch database");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The example's OpenAPI document (utoipa, with idem's `KeyHeader` and
+/// `ReplaysWithTtl`): valid, and telling clients that `POST /payments` takes a key,
+/// may answer a replay, and what idem answers by itself; the reads take no key.
+async fn documented(addr: &str) {
+    let reply = call(addr, "GET", "/openapi.json", &[], "").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let document = reply.json();
+    openapi::validate("payments", &document);
+    let paths = &document["paths"];
+    openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, true);
+    openapi::assert_unkeyed(&paths["/payments"]["get"]);
+    openapi::assert_unkeyed(&paths["/payments/{id}"]["get"]);
+    let body = &paths["/payments"]["post"]["requestBody"]["content"]["application/json"];
+    assert!(body["schema"].is_object(), "{body:#}");
 }
 
 /// `payments demo` (on `url`, or its own scratch SQLite file): every logical payment

@@ -39,6 +39,7 @@
 //! curl -s localhost:3000/payments -H 'Authorization: Bearer alice'
 //! curl -s localhost:3000/provider/charges
 //! curl -s localhost:3000/metrics        # idem_requests_total{outcome=...} and the rest
+//! curl -s localhost:3000/openapi.json   # the API's OpenAPI document, keys and replays included
 //! ```
 //!
 //! The fake card provider stands for an external system: it commits each charge
@@ -63,6 +64,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use idem_axum::utoipa::{KeyHeader, ReplaysWithTtl};
 use idem_axum::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
@@ -76,6 +78,7 @@ use sqlx::{
     Sqlite,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions},
 };
+use utoipa::{OpenApi as _, ToSchema};
 
 mod demo;
 mod errors;
@@ -137,19 +140,42 @@ impl<DB: Ledger> App<DB> {
             )
             .route("/payments/{id}", get(get_payment::<DB>))
             .route("/provider/charges", get(list_charges::<DB>))
+            .route("/openapi.json", get(|| async { Json(ApiDoc::openapi()) }))
             .with_state(app);
         Ok((router, shutdown))
     }
 }
 
-#[derive(Deserialize)]
+/// The API's OpenAPI document, served at `/openapi.json`. `POST /payments` names
+/// idem's `KeyHeader`; the `ReplaysWithTtl` modifier then documents, on every
+/// operation that takes the key, the headers of a replayed answer and idem's own
+/// 400/409/422/503 problems.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(title = "payments", description = "A payments API whose POST /payments is exactly-once under retries."),
+    paths(create_payment, list_payments, get_payment),
+    modifiers(&ReplaysWithTtl)
+)]
+struct ApiDoc;
+
+/// An error as this API and idem answer it (RFC 9457).
+#[derive(ToSchema)]
+#[allow(dead_code)] // documentation only: the bodies are written by `errors::problem`
+struct Problem {
+    r#type: String,
+    title: String,
+    status: u16,
+    detail: String,
+}
+
+#[derive(Deserialize, ToSchema)]
 struct NewPayment {
     amount: i64,
     currency: String,
     to: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct Payment {
     id: i64,
     amount: i64,
@@ -170,6 +196,23 @@ struct Charge {
 /// Charges the card through the provider (relaying a key derived from the
 /// client's), debits the balance and records the payment, all in `tx`: the payment
 /// and the recorded response commit together.
+#[utoipa::path(
+    post,
+    path = "/payments",
+    params(KeyHeader),
+    request_body = NewPayment,
+    responses(
+        (status = 201, description = "The payment, charged once", body = Payment,
+            headers(("Location" = String, description = "The payment's own URL"))),
+        (status = 401, description = "No `Authorization: Bearer <user>`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 402, description = "The balance does not cover the amount (`insufficient-funds`)",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "An invalid payment (`invalid-payment`), or the key reused \
+            with another request (`payload-mismatch`)", body = Problem,
+            content_type = "application/problem+json"),
+    )
+)]
 #[idempotent(
     scope = "user_id",
     ttl = "24h",
@@ -220,6 +263,11 @@ async fn create_payment<DB: Ledger>(
         .into_response())
 }
 
+#[utoipa::path(get, path = "/payments", responses(
+    (status = 200, description = "The caller's payments and balance"),
+    (status = 401, description = "No `Authorization: Bearer <user>`", body = Problem,
+        content_type = "application/problem+json"),
+))]
 async fn list_payments<DB: Ledger>(
     State(app): State<App<DB>>,
     user_id: UserId,
@@ -228,6 +276,14 @@ async fn list_payments<DB: Ledger>(
     Ok(Json(serde_json::json!({ "payments": payments, "balance": balance })).into_response())
 }
 
+#[utoipa::path(get, path = "/payments/{id}",
+    params(("id" = i64, Path, description = "The payment's id")),
+    responses(
+        (status = 200, description = "The payment", body = Payment),
+        (status = 404, description = "No payment of the caller's has this id", body = Problem,
+            content_type = "application/problem+json"),
+    )
+)]
 async fn get_payment<DB: Ledger>(
     State(app): State<App<DB>>,
     user_id: UserId,

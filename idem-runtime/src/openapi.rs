@@ -35,7 +35,8 @@ pub(crate) fn answer_headers(ttl_header: bool) -> serde_json::Map<String, Value>
         "Idempotent-Replayed".to_owned(),
         json!({
             "description": "`true` when this is the recorded answer of an earlier request \
-                with the same key, sent again without running the handler; absent otherwise.",
+                with the same key, sent again without running the handler (a recorded 4xx \
+                answer is replayed with it too); absent otherwise.",
             "schema": { "type": "string", "enum": ["true"] },
         }),
     );
@@ -139,14 +140,16 @@ pub(crate) fn with_answer_headers(mut response: Value, ttl_header: bool) -> Valu
     response
 }
 
-/// Whether answers with `status` are recorded, so may be replayed (below 500, as
-/// `Options::records` has it, but for the statuses a store may release).
+/// The responses documented with the replay headers: the successes (and a
+/// `default`). A recorded 4xx is replayed with them too, which their description
+/// says; a 4xx an extractor answers before idem never is, so none is marked.
 pub(crate) fn recorded(status: Option<u16>) -> bool {
-    status.is_none_or(|s| (200..500).contains(&s) && ![408, 425, 429].contains(&s))
+    status.is_none_or(|s| (200..300).contains(&s))
 }
 
 /// The flags `#[idempotent]` writes into the types of a rewritten handler, so that
 /// documentation generators see the endpoint's options.
+#[cfg(feature = "aide")]
 pub(crate) mod doc {
     /// `required = true`, or a parameter of type `IdempotencyKey`.
     pub(crate) const REQUIRED: u8 = 1;
@@ -156,3 +159,58 @@ pub(crate) mod doc {
 
 #[cfg(feature = "aide")]
 pub(crate) mod aide;
+#[cfg(feature = "utoipa")]
+pub(crate) mod utoipa;
+
+/// The methods a path item holds operations under.
+#[cfg(feature = "utoipa")]
+const METHODS: [&str; 8] = [
+    "get", "put", "post", "delete", "options", "head", "patch", "trace",
+];
+
+/// Completes, in a whole document, every operation that takes the key header: its
+/// recorded answers get the replay headers, and idem's problems are added where the
+/// operation does not document their status itself.
+#[cfg(feature = "utoipa")]
+pub(crate) fn complete(document: &mut Value, ttl_header: bool) {
+    let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {
+        return;
+    };
+    for item in paths.values_mut() {
+        for method in METHODS {
+            let Some(operation) = item.get_mut(method).and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let keyed = operation
+                .get("parameters")
+                .and_then(Value::as_array)
+                .is_some_and(|parameters| parameters.iter().any(is_key_parameter));
+            if !keyed {
+                continue;
+            }
+            let responses = operation
+                .entry("responses")
+                .or_insert_with(|| Value::Object(serde_json::Map::new()));
+            let Some(responses) = responses.as_object_mut() else {
+                continue;
+            };
+            for (status, response) in responses.iter_mut() {
+                if recorded(status.parse().ok()) {
+                    *response = with_answer_headers(response.take(), ttl_header);
+                }
+            }
+            for (status, problem) in problem_responses() {
+                responses.entry(status.to_string()).or_insert(problem);
+            }
+        }
+    }
+}
+
+#[cfg(feature = "utoipa")]
+fn is_key_parameter(parameter: &Value) -> bool {
+    parameter.get("in").and_then(Value::as_str) == Some("header")
+        && parameter
+            .get("name")
+            .and_then(Value::as_str)
+            .is_some_and(|name| name.eq_ignore_ascii_case("idempotency-key"))
+}

@@ -15,11 +15,21 @@
 //!   bound stay in the default partition, which keeps taking their keys; once it
 //!   is empty it is dropped, and every key has a day partition.
 //!
-//! Every change runs in a short transaction of its own with `lock_timeout = 2s`, so
-//! it gives way to the hot path rather than queue it, under a per-table advisory
-//! lock, so that maintenance run twice at once, or a claim creating a day, never
-//! races it. Statements are unprepared and inside transactions: they work through a
-//! transaction pooler too.
+//! No change may queue the hot path. A lock request that waits queues every later
+//! request for the same table behind it, and a keyed transaction holds its locks
+//! for as long as its handler runs; so every change that needs a lock a lookup
+//! conflicts with asks for it for 20 ms at most (`lock_timeout`), then gives way
+//! and tries again 50–250 ms later, until its budget is spent: claims wait 20 ms at
+//! worst, once per try. Without a default partition (tables created by this release,
+//! and older ones once theirs is retired) an ended day is detached with
+//! `DETACH PARTITION … CONCURRENTLY` (PostgreSQL 14+), which takes no lock a lookup
+//! waits for: it waits, without queueing anyone, for the transactions that may
+//! still read the day to end, then drops it. Every other change runs in a short
+//! transaction of its own under a per-table advisory lock, so that maintenance run
+//! twice at once, or a claim creating a day, never races it. Statements are
+//! unprepared: they work through a transaction pooler too.
+
+use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row as _};
 
@@ -60,8 +70,11 @@ impl Idempotency<sqlx::Postgres> {
     /// one instance or several: it is correct whenever it runs, late, after days
     /// missed, twice at once. A key whose day has no partition yet is not refused:
     /// the claim that needs the day creates it (which needs the privileges that
-    /// `ALTER TABLE ... ATTACH PARTITION` does). Each change is its own short
-    /// transaction (`lock_timeout = 2s`); a step that gives way, or fails, does
+    /// `ALTER TABLE ... ATTACH PARTITION` does). It never queues the hot path:
+    /// each lock a lookup could wait behind is asked for 20 ms at a time, retried
+    /// for up to 30 s, and an ended day is detached `CONCURRENTLY` (PostgreSQL 14+,
+    /// once the table has no default partition), which waits for the keyed
+    /// transactions still in flight without blocking any. A step that fails does
     /// not keep the others from running, and the next run retries it.
     ///
     /// # Errors
@@ -96,6 +109,28 @@ impl Idempotency<sqlx::Postgres> {
             first_error.get_or_insert(error);
         };
 
+        // Retired first, so that the days after it are detached concurrently.
+        match retire_default(&mut conn, table).await {
+            Ok(Some(name)) => changed.dropped.push(name),
+            Ok(None) => {}
+            Err(error) => failed("bound or retire the default partition", error),
+        }
+        // The days ahead before any detach: a claim never waits to create its day
+        // behind a detach that waits for a long handler.
+        for offset in 0..=i64::from(days_ahead) {
+            match attach_day(
+                &mut conn,
+                table,
+                DaySpec::Offset(offset),
+                Budget::Maintenance,
+            )
+            .await
+            {
+                Ok((name, Day::Created)) => changed.created.push(name),
+                Ok(_) => {}
+                Err(error) => failed("create a day", error),
+            }
+        }
         match ended_days(&mut conn, table).await {
             Ok(ended) => {
                 for name in ended {
@@ -107,18 +142,6 @@ impl Idempotency<sqlx::Postgres> {
                 }
             }
             Err(error) => failed("list ended days", error),
-        }
-        match retire_default(&mut conn, table).await {
-            Ok(Some(name)) => changed.dropped.push(name),
-            Ok(None) => {}
-            Err(error) => failed("bound or retire the default partition", error),
-        }
-        for offset in 0..=i64::from(days_ahead) {
-            match attach_day(&mut conn, table, DaySpec::Offset(offset)).await {
-                Ok((name, Day::Created)) => changed.created.push(name),
-                Ok(_) => {}
-                Err(error) => failed("create a day", error),
-            }
         }
         if !changed.created.is_empty() || !changed.dropped.is_empty() {
             tracing::info!(
@@ -143,8 +166,9 @@ pub(crate) enum DaySpec {
     ExpiryAfterMs(i64),
 }
 
-/// Opens a maintenance transaction: gives way after 2 s, and serialises with every
-/// other change to this table's partitions.
+/// Opens a maintenance transaction that serialises with every other change to this
+/// table's partitions (waiting up to 2 s for the advisory lock, which only those
+/// changes take), then asks for every later lock for 20 ms at most: see the module.
 async fn begin<'c>(
     conn: &'c mut PgConnection,
     table: &str,
@@ -152,11 +176,81 @@ async fn begin<'c>(
     let mut tx = read_committed(conn).await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "SET LOCAL lock_timeout = '2s'; \
-         SELECT pg_advisory_xact_lock(hashint8extended(7306086953163416934, '{table}'::regclass::oid::int8))"
+         SELECT pg_advisory_xact_lock(hashint8extended(7306086953163416934, '{table}'::regclass::oid::int8)); \
+         SET LOCAL lock_timeout = '{LOCK_TRY_MS}ms'"
     )))
     .execute(&mut *tx)
     .await?;
     Ok(tx)
+}
+
+/// How long one try waits for a lock a lookup may be queued behind.
+const LOCK_TRY_MS: u64 = 20;
+
+/// How long a change keeps trying: maintenance runs in the background and can wait
+/// for a gap between keyed transactions; a claim creating its day cannot wait long.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Budget {
+    Maintenance,
+    Claim,
+}
+
+impl Budget {
+    fn duration(self) -> Duration {
+        match self {
+            Self::Maintenance => Duration::from_secs(30),
+            Self::Claim => Duration::from_secs(2),
+        }
+    }
+}
+
+/// Whether `error` is a lock request that gave way (`lock_timeout`).
+fn gave_way(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("55P03"))
+}
+
+/// The tries of one change: after a try that gave way to a lock, [`again`](Self::again)
+/// waits 50–250 ms (so that a lookup is queued behind at most one 20 ms try at a
+/// time) and says whether to try once more, until the budget is spent.
+struct Tries {
+    deadline: tokio::time::Instant,
+    count: u32,
+}
+
+impl Tries {
+    fn new(budget: Budget) -> Self {
+        Self {
+            deadline: tokio::time::Instant::now() + budget.duration(),
+            count: 0,
+        }
+    }
+
+    async fn again(&mut self, error: &sqlx::Error) -> bool {
+        if !gave_way(error) || tokio::time::Instant::now() >= self.deadline {
+            if self.count > 0 {
+                tracing::debug!(tries = self.count, %error, "partition change gave way until its budget");
+            }
+            return false;
+        }
+        self.count += 1;
+        let spread = crate::engine::random_u64() % 200;
+        tokio::time::sleep(Duration::from_millis(50 + spread)).await;
+        true
+    }
+}
+
+/// `step` (an expression giving a future), tried until it does not give way to a
+/// lock or `budget` is spent: see [`Tries`].
+macro_rules! tried {
+    ($budget:expr, $step:expr) => {{
+        let mut tries = Tries::new($budget);
+        loop {
+            match $step.await {
+                Err(error) if tries.again(&error).await => {}
+                done => break done,
+            }
+        }
+    }};
 }
 
 /// `BEGIN` at READ COMMITTED, whatever the default.
@@ -172,8 +266,18 @@ pub(crate) async fn read_committed(
 }
 
 /// Attaches the partition of one day unless it exists or the default partition
-/// still takes that day. Returns the partition's name.
+/// still takes that day, trying until `budget` is spent. Returns the partition's
+/// name.
 pub(crate) async fn attach_day(
+    conn: &mut PgConnection,
+    table: &str,
+    day: DaySpec,
+    budget: Budget,
+) -> Result<(String, Day), sqlx::Error> {
+    tried!(budget, attach_day_once(conn, table, day))
+}
+
+async fn attach_day_once(
     conn: &mut PgConnection,
     table: &str,
     day: DaySpec,
@@ -227,7 +331,9 @@ pub(crate) async fn attach_day(
         ));
     }
     // Created empty, so attaching scans nothing; the default partition's valid
-    // bound proves it holds nothing for this day, so it is not scanned either.
+    // bound proves it holds nothing for this day, so it is not scanned either. The
+    // parent's lock conflicts with no lookup; a default partition's (ACCESS
+    // EXCLUSIVE) does, hence the tries.
     script.push_str(&format!(
         "CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS); \
          ALTER TABLE {table} ATTACH PARTITION {name} \
@@ -256,24 +362,119 @@ async fn ended_days(conn: &mut PgConnection, table: &str) -> Result<Vec<String>,
     Ok(names)
 }
 
-/// Detaches and drops one ended day, if it is still attached.
-async fn drop_day(conn: &mut PgConnection, table: &str, name: &str) -> Result<bool, sqlx::Error> {
-    let mut tx = begin(conn, table).await?;
-    let attached: bool = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-                        WHERE i.inhparent = '{table}'::regclass AND c.relname = '{name}')"
+/// Where partition `name` stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attached {
+    /// Attached.
+    Yes,
+    /// A `DETACH … CONCURRENTLY` began and did not finish (it was cancelled, or is
+    /// still waiting in another session).
+    Pending,
+    /// Not a partition of the table (any more).
+    No,
+}
+
+async fn attached(
+    conn: &mut PgConnection,
+    table: &str,
+    name: &str,
+) -> Result<Attached, sqlx::Error> {
+    let pending: Option<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT i.inhdetachpending FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = '{table}'::regclass AND c.relname = '{name}'"
     )))
     .persistent(false)
-    .fetch_one(&mut *tx)
+    .fetch_optional(&mut *conn)
     .await?;
-    if !attached {
+    Ok(match pending {
+        Some(false) => Attached::Yes,
+        Some(true) => Attached::Pending,
+        None => Attached::No,
+    })
+}
+
+/// Detaches and drops one ended day, if it is still attached.
+async fn drop_day(conn: &mut PgConnection, table: &str, name: &str) -> Result<bool, sqlx::Error> {
+    // Read inside a transaction, as every statement here: through a transaction
+    // pooler an unprepared statement outside one may be bound on another server.
+    let (concurrently, state) = {
+        let recent = conn.server_version_num().is_some_and(|v| v >= 140_000);
+        let mut tx = read_committed(conn).await?;
+        let concurrently = recent && !has_default(&mut tx, table).await?;
+        let state = attached(&mut tx, table, name).await?;
+        tx.commit().await?;
+        (concurrently, state)
+    };
+    if !concurrently {
+        // A default partition forbids `CONCURRENTLY`: one plain detach, tried gently.
+        return tried!(Budget::Maintenance, detach_plainly(conn, table, name));
+    }
+    // Outside any transaction block, as `CONCURRENTLY` must be. Its locks conflict
+    // with no lookup; it waits for the transactions that may still read the day,
+    // which queues nobody. A second maintenance detaching the same day at once
+    // fails here, and the day is the first one's.
+    let detach = match state {
+        Attached::Yes => format!("ALTER TABLE {table} DETACH PARTITION {name} CONCURRENTLY"),
+        // Cancelled before it finished (or still running elsewhere): complete it.
+        Attached::Pending => format!("ALTER TABLE {table} DETACH PARTITION {name} FINALIZE"),
+        Attached::No => return Ok(false),
+    };
+    if let Err(error) = sqlx::raw_sql(AssertSqlSafe(detach))
+        .execute(&mut *conn)
+        .await
+    {
+        let mut tx = read_committed(conn).await?;
+        let now = attached(&mut tx, table, name).await?;
+        tx.commit().await?;
+        return match now {
+            Attached::No => Ok(false),
+            _ => Err(error),
+        };
+    }
+    // Nobody reads a detached day; the lock is asked for gently all the same.
+    tried!(Budget::Maintenance, drop_detached(conn, table, name))
+}
+
+async fn detach_plainly(
+    conn: &mut PgConnection,
+    table: &str,
+    name: &str,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = begin(conn, table).await?;
+    if attached(&mut tx, table, name).await? != Attached::Yes {
         return Ok(false);
     }
     detach_and_drop(tx, table, name).await?;
     Ok(true)
 }
 
-/// Detaches and drops partition `name`, and commits.
+async fn drop_detached(
+    conn: &mut PgConnection,
+    table: &str,
+    name: &str,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = begin(conn, table).await?;
+    if attached(&mut tx, table, name).await? != Attached::No {
+        return Ok(false);
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+async fn has_default(conn: &mut PgConnection, table: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT to_regclass('{table}_default') IS NOT NULL"
+    )))
+    .persistent(false)
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Detaches and drops partition `name` (taking ACCESS EXCLUSIVE on the table, for
+/// at most one try's wait), and commits.
 async fn detach_and_drop(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     table: &str,
@@ -315,26 +516,37 @@ async fn retire_default(
         return Ok(None);
     }
     if valid.is_none() {
-        // A table migrated by hand, without upgrade 3: what it would have done.
-        let mut tx = begin(conn, table).await?;
-        sqlx::raw_sql(AssertSqlSafe(UPGRADE_3.sql.replace(DEFAULT_TABLE, table)))
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
+        // A table migrated by hand, without upgrade 3: what it would have done
+        // (`ADD CONSTRAINT … NOT VALID` takes a lock lookups wait for: tried gently).
+        let bound = UPGRADE_3.sql.replace(DEFAULT_TABLE, table);
+        tried!(Budget::Maintenance, run_script(conn, table, &bound))?;
     }
     if valid != Some(true) {
         // A scan, under SHARE UPDATE EXCLUSIVE: claims and lookups go on.
-        let mut tx = begin(conn, table).await?;
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "ALTER TABLE {name} VALIDATE CONSTRAINT {table}_default_bound"
-        )))
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+        let validate = format!("ALTER TABLE {name} VALIDATE CONSTRAINT {table}_default_bound");
+        tried!(Budget::Maintenance, run_script(conn, table, &validate))?;
     }
     // Empty: no key of it is left to replay. A first look blocks nothing; the
     // second, under the lock that detaching takes anyway, makes sure no claim in
     // flight has put a row there meanwhile. It reads a table with no live row.
+    // Every lookup reads this partition, so the lock is asked for gently.
+    tried!(Budget::Maintenance, drop_if_empty(conn, table, &name))
+}
+
+/// Runs `script` in a maintenance transaction and commits.
+async fn run_script(conn: &mut PgConnection, table: &str, script: &str) -> Result<(), sqlx::Error> {
+    let mut tx = begin(conn, table).await?;
+    sqlx::raw_sql(AssertSqlSafe(script.to_owned()))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+async fn drop_if_empty(
+    conn: &mut PgConnection,
+    table: &str,
+    name: &str,
+) -> Result<Option<String>, sqlx::Error> {
     let mut tx = begin(conn, table).await?;
     let empty = format!("SELECT NOT EXISTS (SELECT 1 FROM {name})");
     let looks_empty: bool = sqlx::query_scalar(AssertSqlSafe(empty.clone()))
@@ -356,8 +568,8 @@ async fn retire_default(
     if !empty {
         return Ok(None);
     }
-    detach_and_drop(tx, table, &name).await?;
-    Ok(Some(name))
+    detach_and_drop(tx, table, name).await?;
+    Ok(Some(name.to_owned()))
 }
 
 /// Bounds the default partition of a table the first release created.

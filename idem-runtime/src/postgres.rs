@@ -19,7 +19,7 @@ use crate::backend::{
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::partitions::{
-    BEGIN_READ_COMMITTED, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
+    BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
 use crate::signal::signal_of;
 
@@ -513,7 +513,13 @@ impl Driver for Postgres {
         if !missing_day {
             return Ok(false);
         }
-        let (name, day) = attach_day(conn, &sql.table, DaySpec::ExpiryAfterMs(ttl_ms)).await?;
+        let (name, day) = attach_day(
+            conn,
+            &sql.table,
+            DaySpec::ExpiryAfterMs(ttl_ms),
+            Budget::Claim,
+        )
+        .await?;
         if day == Day::Created {
             tracing::info!(partition = %name, "attached a missing day partition for a claim");
         }

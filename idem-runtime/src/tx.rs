@@ -41,11 +41,23 @@ use tokio::sync::oneshot;
 ///
 /// type PgTx = Tx<Postgres>;
 ///
+/// // With the `executor` feature (on by default).
+/// # #[cfg(feature = "executor")]
 /// async fn debit(tx: &mut PgTx, user: &str, amount: i64) -> Result<(), sqlx::Error> {
 ///     sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = $2")
 ///         .bind(amount)
 ///         .bind(user)
 ///         .execute(tx)
+///         .await?;
+///     Ok(())
+/// }
+///
+/// // Without it, through the connection.
+/// async fn credit(tx: &mut PgTx, user: &str, amount: i64) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///         .bind(amount)
+///         .bind(user)
+///         .execute(&mut **tx)
 ///         .await?;
 ///     Ok(())
 /// }

@@ -104,7 +104,12 @@ async fn partition_maintenance_takes_over_a_late_default_partition() {
     let first = include_str!(
         "../../idem-runtime/migrations/postgres/partitioned/0001_idempotency_keys.sql"
     );
+    // The first release's table had a default partition.
     h.script(&first.replace("idempotency_keys", TABLE)).await;
+    h.script(&format!(
+        "CREATE TABLE {TABLE}_default PARTITION OF {TABLE} DEFAULT"
+    ))
+    .await;
     let (today, tomorrow) = (day(&direct, 0).await, day(&direct, 1).await);
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {today} PARTITION OF {TABLE} FOR VALUES \
@@ -391,4 +396,161 @@ async fn partition_maintenance_drops_ended_days() {
     assert_eq!(replay.outcome, Some(Outcome::Replayed));
     assert_eq!(replay.body, live.body);
     h.finish().await;
+}
+
+/// Creates a partition for a day that ended `days` ago on `table`, with a key in it.
+async fn ended_day(pool: &PgPool, table: &str, days: i32) -> String {
+    let stamp: String =
+        sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - $1, 'YYYYMMDD')")
+            .bind(days)
+            .fetch_one(pool)
+            .await
+            .expect("date");
+    let name = format!("{table}_p{stamp}");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {name} PARTITION OF {table} \
+             FOR VALUES FROM ((now() AT TIME ZONE 'UTC')::date - {days}) \
+                          TO ((now() AT TIME ZONE 'UTC')::date - {days} + 1); \
+         INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
+         VALUES ('old', 'k-old', 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
+             now() - interval '5 days', ((now() AT TIME ZONE 'UTC')::date - {days}) + interval '1 hour', \
+             now() - interval '5 days')"
+    )))
+    .execute(pool)
+    .await
+    .expect("a partition for a day that has ended");
+    name
+}
+
+/// Sends new keys (and replays read from the table by another instance) one after
+/// another until `done`; returns each one's latency.
+async fn probe(
+    app: &axum::Router,
+    cold: &axum::Router,
+    prefix: &str,
+    done: &std::sync::atomic::AtomicBool,
+) -> Vec<Duration> {
+    let mut latencies = Vec::new();
+    let mut i = 0;
+    while !done.load(std::sync::atomic::Ordering::Relaxed) || latencies.len() < 10 {
+        let key = format!("{prefix}-{i}");
+        let started = Instant::now();
+        let got = send(app, &Req::post("probe", &key, BODY)).await;
+        latencies.push(started.elapsed());
+        assert_eq!(got.status, 201, "{}", got.text());
+        let started = Instant::now();
+        let replay = send(cold, &Req::post("probe", &key, BODY)).await;
+        latencies.push(started.elapsed());
+        assert_eq!(replay.outcome, Some(Outcome::Replayed), "{}", replay.text());
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    latencies
+}
+
+fn spread(mut latencies: Vec<Duration>) -> (Duration, Duration, Duration) {
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    (at(0.5), at(0.99), at(1.0))
+}
+
+/// Maintenance while a handler holds its claim for a second: new keys and replays
+/// read from the table answer as fast as without it (each waits at most one 20 ms
+/// lock try), and the ended day is dropped anyway, once that handler is done. On
+/// a table of the first release (`legacy`), whose default partition forbids
+/// `DETACH … CONCURRENTLY`, the tries retire the default partition and drop the day
+/// in a gap between keyed transactions.
+async fn maintenance_beside_a_long_handler(legacy: bool) {
+    let Some(h) = start::<PgParted>().await else {
+        return;
+    };
+    let pool = h.direct_pool().clone();
+    if legacy {
+        h.script("CREATE TABLE idempotency_keys_default PARTITION OF idempotency_keys DEFAULT")
+            .await;
+    }
+    let old = ended_day(&pool, "idempotency_keys", 3).await;
+    let app = router(&h);
+    let cold = router_on::<PgParted>(h.another_instance());
+    let idle = std::sync::atomic::AtomicBool::new(true);
+    let (baseline_p50, baseline_p99, baseline_max) =
+        spread(probe(&app, &cold, "base", &idle).await);
+
+    // A handler that holds its claim, its writes and its look-up's locks until its
+    // gate opens.
+    let gate = format!("long-{}", crate::unique_suffix());
+    let long = Req::post("alice", &gate, BODY)
+        .header("x-gate", &gate)
+        .header("x-lock-ms", 20_000);
+    let held = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, &long).await }
+    });
+    crate::await_started(&gate).await;
+
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let store = h.store().clone();
+    let maintenance = async {
+        let started = Instant::now();
+        let changed = store.maintain_partitions(4).await;
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (changed, started.elapsed())
+    };
+    let opener = async {
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        crate::app::open_gate(&gate);
+    };
+    let ((changed, took), during, ()) =
+        tokio::join!(maintenance, probe(&app, &cold, "during", &done), opener);
+    assert_eq!(held.await.expect("the long handler").status, 201);
+    let (p50, p99, max) = spread(during.clone());
+    println!(
+        "maintenance beside a 1 s handler ({}): took {took:?}; requests alone p50 {baseline_p50:?} \
+         p99 {baseline_p99:?} max {baseline_max:?}; during p50 {p50:?} p99 {p99:?} max {max:?} \
+         ({} requests)",
+        if legacy {
+            "default partition"
+        } else {
+            "no default partition"
+        },
+        during.len()
+    );
+    let changed = changed.expect("maintenance");
+    assert!(changed.dropped.contains(&old), "{changed:?}");
+    if legacy {
+        assert!(
+            changed
+                .dropped
+                .contains(&"idempotency_keys_default".to_owned()),
+            "{changed:?}"
+        );
+    }
+    assert!(!partitions_of(&pool).await.contains(&old));
+    // Queued behind a lock for the handler's whole second, a request would take it.
+    assert!(
+        max < Duration::from_millis(400),
+        "a request waited {max:?} during maintenance (alone: {baseline_max:?})"
+    );
+    h.finish().await;
+}
+
+async fn partitions_of(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'idempotency_keys'::regclass ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("partitions")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn maintenance_never_queues_the_hot_path() {
+    maintenance_beside_a_long_handler(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn maintenance_never_queues_the_hot_path_beside_a_default_partition() {
+    maintenance_beside_a_long_handler(true).await;
 }

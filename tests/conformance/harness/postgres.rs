@@ -331,6 +331,13 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             include_str!("../../../idem-runtime/migrations/postgres/0001_idempotency_keys.sql")
         };
         self.script(&first.replace("idempotency_keys", table)).await;
+        if PARTITIONED {
+            // The first release's table had a default partition, which took these.
+            self.script(&format!(
+                "CREATE TABLE {table}_default PARTITION OF {table} DEFAULT"
+            ))
+            .await;
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
                  fingerprint, status, headers, body, locked_until, expires_at, created_at) \

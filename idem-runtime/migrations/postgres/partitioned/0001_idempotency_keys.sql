@@ -5,7 +5,9 @@
 -- PostgreSQL requires the partition column in the primary key, so (scope, key) is
 -- no longer unique by itself: idem keeps it unique by claiming only under an
 -- advisory lock on (scope, key) and checking for an existing row after taking it.
--- Rows whose day has no partition yet land in the default partition.
+-- There is no default partition (the first release had one: upgrade 3 bounds it and
+-- maintenance retires it): a claim whose day has no partition yet attaches it, and
+-- without one an ended day is detached CONCURRENTLY, queueing no lookup.
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     scope           TEXT        NOT NULL,
     idempotency_key TEXT        NOT NULL,
@@ -22,7 +24,5 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     created_at      TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (scope, idempotency_key, expires_at)
 ) PARTITION BY RANGE (expires_at);
-
-CREATE TABLE IF NOT EXISTS idempotency_keys_default PARTITION OF idempotency_keys DEFAULT;
 
 CREATE INDEX IF NOT EXISTS idempotency_keys_expires_at_idx ON idempotency_keys (expires_at);

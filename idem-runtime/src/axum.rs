@@ -59,7 +59,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
 use crate::backend::Backend;
-use crate::engine::{HandlerFuture, RequestIdentity};
+use crate::engine::{HandlerFuture, Outcome, RequestIdentity};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -149,7 +149,15 @@ impl<DB: Backend> IdempotentRequest<DB> {
             (Some(_), Ok(options)) => match options.fingerprint(body) {
                 Ok(fingerprint) => fingerprint,
                 Err(invalid) => {
-                    return problem_response(store, Problem::InvalidJson, &invalid.to_string());
+                    let endpoint = parts.extensions.get::<MatchedPath>().map_or_else(
+                        || parts.method.to_string(),
+                        |route| format!("{} {}", parts.method, route.as_str()),
+                    );
+                    crate::metrics::request(Outcome::Refused.as_str(), &endpoint);
+                    let mut response =
+                        problem_response(store, Problem::InvalidJson, &invalid.to_string());
+                    response.extensions_mut().insert(Outcome::Refused);
+                    return response;
                 }
             },
             _ => [0; 32],

@@ -184,8 +184,9 @@ pub enum Outcome {
     Released,
     /// No key on an endpoint that does not require one: the handler ran, nothing stored.
     Unkeyed,
-    /// Missing or malformed key (400), or the endpoint's options are
-    /// inconsistent (500 `invalid-options`): nothing ran.
+    /// Missing key (400), a body that is not the JSON the endpoint fingerprints
+    /// (400 `invalid-json`), or the endpoint's options are inconsistent (500
+    /// `invalid-options`): nothing ran.
     Refused,
     /// The database failed: 503 `store-unavailable`.
     StoreFailed,

@@ -28,7 +28,7 @@ pub(crate) fn key_parameter(required: bool) -> Value {
     })
 }
 
-/// Headers of an answer idem records: every 2xx–4xx the handler gives.
+/// Headers of an answer idem may have replayed, documented on the successes.
 pub(crate) fn answer_headers(ttl_header: bool) -> serde_json::Map<String, Value> {
     let mut headers = serde_json::Map::new();
     headers.insert(

@@ -164,6 +164,7 @@ pub async fn json_fingerprints_compare_values_not_bytes<H: Harness>() {
         let got = send(&app, &post(&format!("k-bad-{i}"), body)).await;
         assert_eq!(got.status, 400, "{body}: {}", got.text());
         assert_eq!(got.problem().as_deref(), Some("invalid-json"), "{body}");
+        assert_eq!(got.outcome, Some(Outcome::Refused), "{body}");
     }
     // Without a key nothing is compared, so the body is the handler's business.
     let unkeyed = Req::post("jo", "", "amount=1").keys(&[]).path("/by-value");

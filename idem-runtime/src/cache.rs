@@ -16,13 +16,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use quick_cache::sync::{Cache, DefaultLifecycle, PlaceholderGuard};
-use quick_cache::{DefaultHashBuilder, Weighter};
+use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter};
 
 use crate::backend::Found;
 
 /// Bytes an entry costs beyond its strings and payload: the record's fixed fields,
 /// the `Arc`, the cache's own slot.
 const ENTRY_OVERHEAD: u64 = 256;
+
+/// The cache's shards, whatever the host's cores (the cache crate's default is four
+/// per core): an entry heavier than what one shard keeps hot is never kept, so the
+/// largest response kept would otherwise shrink as cores grow (31 KiB of the
+/// default 8 MiB on 64 cores). Eight keep it near the default `max_response_bytes`.
+const SHARDS: usize = 8;
+
+/// The share of a shard an entry may weigh (the cache crate's hot allocation).
+const HOT_SHARE: f64 = 0.97;
 
 /// How long a request waits for another one of this process to look its key up
 /// (a statement, usually milliseconds) before it looks on its own: a holder stuck
@@ -95,11 +104,35 @@ impl ReplayCache {
         let items = usize::try_from(max_bytes / 1024)
             .unwrap_or(usize::MAX)
             .max(16);
+        let options = OptionsBuilder::new()
+            .estimated_items_capacity(items)
+            .weight_capacity(max_bytes)
+            .shards(SHARDS)
+            .hot_allocation(HOT_SHARE)
+            .build()
+            .ok()?;
+        let entries = Cache::with_options(
+            options,
+            ByBytes,
+            DefaultHashBuilder::default(),
+            DefaultLifecycle::default(),
+        );
         Some(Self {
-            entries: Cache::with_weighter(items, max_bytes, ByBytes),
+            entries,
             refresh,
             epoch: AtomicU64::new(0),
         })
+    }
+
+    /// The heaviest entry a cache of `max_bytes` keeps (see [`SHARDS`]): a larger
+    /// response is replayed from the table instead. Fewer shards are used when
+    /// each would otherwise hold under 32 entries (the cache crate's rule), which
+    /// only raises it. (Stated in `Builder::replay_cache`'s documentation.)
+    #[cfg(test)]
+    pub(crate) fn largest_entry(max_bytes: usize) -> u64 {
+        let max_bytes = max_bytes as u64;
+        let shards = SHARDS as u64;
+        (max_bytes.div_ceil(shards) as f64 * HOT_SHARE) as u64
     }
 
     /// The entry for `digest` if one is kept and still trusted; otherwise the
@@ -318,6 +351,34 @@ mod tests {
         }
         assert!(cache.weight() <= 64 * 1024, "{} bytes", cache.weight());
         assert!(cache.weight() > 16 * 1024, "{} bytes", cache.weight());
+    }
+
+    /// The largest entry kept is the one stated, whatever the host's cores: the
+    /// shard count is set, not taken from the cores.
+    #[tokio::test]
+    async fn the_largest_entry_kept_does_not_depend_on_cores() {
+        let bound = 8 * 1024 * 1024;
+        let largest = ReplayCache::largest_entry(bound);
+        assert_eq!(largest, 1_017_118, "97% of an eighth of 8 MiB");
+        let cache = ReplayCache::new(bound, Duration::from_secs(30)).expect("a cache");
+        let weighing = |body_len: u64| {
+            let found = completed(b"", 10_000);
+            let entry = Entry {
+                found,
+                until: Instant::now(),
+                epoch: 0,
+            };
+            ByBytes.weight(&[0; 32], &Arc::new(entry)) + body_len
+        };
+        let fits = usize::try_from(largest - weighing(0)).expect("fits");
+        for (n, len, kept) in [(1u8, fits, true), (2, fits + 1, false)] {
+            let found = Found {
+                body: Some(bytes::Bytes::from(vec![b'x'; len])),
+                ..completed(b"", 10_000)
+            };
+            cache.committed([n; 32], found, (Instant::now(), 0));
+            assert_eq!(hit(&cache, &[n; 32]).await.is_some(), kept, "{len} bytes");
+        }
     }
 
     #[test]

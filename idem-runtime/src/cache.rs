@@ -20,9 +20,12 @@ use quick_cache::{DefaultHashBuilder, OptionsBuilder, Weighter};
 
 use crate::backend::Found;
 
-/// Bytes an entry costs beyond its strings and payload: the record's fixed fields,
-/// the `Arc`, the cache's own slot.
-const ENTRY_OVERHEAD: u64 = 256;
+/// Bytes an entry costs beyond its strings and payload: the record's fixed fields
+/// and the `Arc` around them, the cache's slot for it (key, pointer, metadata, its
+/// share of the table and of the ghosts of evicted keys), and the header its body
+/// gets when a replay first shares it. Measured by `tests/cache_memory.rs`, which
+/// holds the whole cache to 1.1× its bound; about 460 bytes.
+const ENTRY_OVERHEAD: u64 = (std::mem::size_of::<Entry>() + 16 + 240) as u64;
 
 /// The cache's shards, whatever the host's cores (the cache crate's default is four
 /// per core): an entry heavier than what one shard keeps hot is never kept, so the
@@ -37,6 +40,23 @@ const HOT_SHARE: f64 = 0.97;
 /// (a statement, usually milliseconds) before it looks on its own: a holder stuck
 /// waiting for a pooled connection must not queue its duplicates one by one.
 const FILLER_PATIENCE: Duration = Duration::from_secs(1);
+
+/// `found` with every buffer exactly its length: an entry weighs what it holds. A
+/// body is often a slice of a larger buffer (a serializer's grown `Vec`, a reused
+/// write buffer), which a kept slice would keep whole.
+fn compact(mut found: Found) -> Found {
+    found.method.shrink_to_fit();
+    found.path.shrink_to_fit();
+    if let Some(content_type) = &mut found.content_type {
+        content_type.shrink_to_fit();
+    }
+    found.fingerprint.shrink_to_fit();
+    if let Some(headers) = &mut found.headers {
+        headers.shrink_to_fit();
+    }
+    found.body = found.body.map(|body| bytes::Bytes::copy_from_slice(&body));
+    found
+}
 
 /// A completed record, and the instant after which it is no longer trusted.
 #[derive(Debug)]
@@ -204,7 +224,7 @@ impl ReplayCache {
             return;
         }
         let entry = Arc::new(Entry {
-            found,
+            found: compact(found),
             until,
             epoch,
         });

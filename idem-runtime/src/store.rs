@@ -299,12 +299,15 @@ impl<DB: Backend> Builder<DB> {
     /// completed key is then answered from memory, replayed or refused 422 as the
     /// table would, without a database round trip; concurrent retries of one key
     /// that is not kept read the table once between them. Least used entries go
-    /// first when it is full. A response enters only once its transaction has
-    /// committed, and is never replayed past its key's ttl. An entry may weigh up
-    /// to 97% of an eighth of `max_bytes` (its body, headers and request identity,
-    /// and 256 bytes more), whatever the host's cores: about 990 KiB of body with
-    /// the default 8 MiB, against the 1 MiB the default `max_response_bytes` stores.
-    /// A heavier one is replayed from the table.
+    /// first when it is full; the memory held stays within the bound whatever the
+    /// responses' shape (a body is copied out of the buffer it came in, so a slice
+    /// of a large one does not keep it alive). A response enters only once its
+    /// transaction has committed, and is never replayed past its key's ttl.
+    ///
+    /// An entry may weigh up to 97% of an eighth of `max_bytes` (its body, headers
+    /// and request identity, and about 460 bytes more), whatever the host's cores:
+    /// about 990 KiB of body with the default 8 MiB, against the 1 MiB the default
+    /// `max_response_bytes` stores. A heavier one is replayed from the table.
     ///
     /// # Examples
     ///

@@ -346,12 +346,14 @@ async fn attach_day_once(
     Ok((name, Day::Created))
 }
 
-/// Day partitions whose day (UTC) has ended.
+/// Day partitions whose day (UTC) has ended, and day tables beside the key table
+/// that a detach left behind (detached, then not dropped: the drop gave way).
 async fn ended_days(conn: &mut PgConnection, table: &str) -> Result<Vec<String>, sqlx::Error> {
     let mut tx = read_committed(conn).await?;
     let names = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-         WHERE i.inhparent = '{table}'::regclass AND c.relname ~ '^{table}_p[0-9]{{8}}$' \
+        "SELECT c.relname::text FROM pg_class c \
+         WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = '{table}'::regclass) \
+           AND c.relkind = 'r' AND c.relname ~ '^{table}_p[0-9]{{8}}$' \
            AND to_date(right(c.relname, 8), 'YYYYMMDD') + 1 <= (now() AT TIME ZONE 'UTC')::date \
          ORDER BY 1"
     )))
@@ -379,8 +381,13 @@ async fn attached(
     table: &str,
     name: &str,
 ) -> Result<Attached, sqlx::Error> {
+    // Detaching concurrently, and the catalog column for it, came with 14.
+    let pending = match conn.server_version_num().is_some_and(|v| v >= 140_000) {
+        true => "i.inhdetachpending",
+        false => "false",
+    };
     let pending: Option<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT i.inhdetachpending FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+        "SELECT {pending} FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
          WHERE i.inhparent = '{table}'::regclass AND c.relname = '{name}'"
     )))
     .persistent(false)
@@ -405,19 +412,23 @@ async fn drop_day(conn: &mut PgConnection, table: &str, name: &str) -> Result<bo
         tx.commit().await?;
         (concurrently, state)
     };
-    if !concurrently {
-        // A default partition forbids `CONCURRENTLY`: one plain detach, tried gently.
-        return tried!(Budget::Maintenance, detach_plainly(conn, table, name));
-    }
-    // Outside any transaction block, as `CONCURRENTLY` must be. Its locks conflict
-    // with no lookup; it waits for the transactions that may still read the day,
-    // which queues nobody. A second maintenance detaching the same day at once
-    // fails here, and the day is the first one's.
-    let detach = match state {
-        Attached::Yes => format!("ALTER TABLE {table} DETACH PARTITION {name} CONCURRENTLY"),
+    // `CONCURRENTLY` runs outside any transaction block. Its locks conflict with no
+    // lookup; it waits for the transactions that may still read the day, which
+    // queues nobody. A second maintenance detaching the same day at once fails
+    // here, and the day is the first one's.
+    let detach = match (state, concurrently) {
+        // A day table an earlier detach left behind.
+        (Attached::No, _) => return tried!(Budget::Maintenance, drop_detached(conn, table, name)),
         // Cancelled before it finished (or still running elsewhere): complete it.
-        Attached::Pending => format!("ALTER TABLE {table} DETACH PARTITION {name} FINALIZE"),
-        Attached::No => return Ok(false),
+        (Attached::Pending, _) => format!("ALTER TABLE {table} DETACH PARTITION {name} FINALIZE"),
+        (Attached::Yes, true) => {
+            format!("ALTER TABLE {table} DETACH PARTITION {name} CONCURRENTLY")
+        }
+        // A default partition (or PostgreSQL before 14) forbids `CONCURRENTLY`: one
+        // plain detach, tried gently.
+        (Attached::Yes, false) => {
+            return tried!(Budget::Maintenance, detach_plainly(conn, table, name));
+        }
     };
     if let Err(error) = sqlx::raw_sql(AssertSqlSafe(detach))
         .execute(&mut *conn)
@@ -457,7 +468,16 @@ async fn drop_detached(
     if attached(&mut tx, table, name).await? != Attached::No {
         return Ok(false);
     }
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
+    let exists: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT to_regclass('{name}') IS NOT NULL"
+    )))
+    .persistent(false)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !exists {
+        return Ok(false);
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {name}")))
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;

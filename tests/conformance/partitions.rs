@@ -376,11 +376,29 @@ async fn partition_maintenance_drops_ended_days() {
     .execute(&pool)
     .await
     .expect("a partition for a day that has ended");
+    // A day table a detach left behind (detached, its drop not done).
+    let left: String =
+        sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 4, 'YYYYMMDD')")
+            .fetch_one(&pool)
+            .await
+            .expect("date");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE idempotency_keys_p{left} (LIKE idempotency_keys)"
+    )))
+    .execute(&pool)
+    .await
+    .expect("a detached day table");
     let live = send(&app, &Req::post("alice", "k-live", BODY)).await;
     assert_eq!(live.status, 201);
 
     let changed = h.store().maintain_partitions(4).await.expect("maintenance");
-    assert_eq!(changed.dropped, [format!("idempotency_keys_p{old}")]);
+    assert_eq!(
+        changed.dropped,
+        [
+            format!("idempotency_keys_p{left}"),
+            format!("idempotency_keys_p{old}")
+        ]
+    );
     assert_eq!(
         changed.created.len(),
         1,

@@ -77,13 +77,15 @@ async fn unkeyed<H: Harness>(
     caller: Caller,
     body: String,
 ) -> Response {
-    let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
-    let mut conn = match app.store.pool().acquire().await {
-        Ok(conn) => conn,
-        Err(error) => return (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
+    // Committed on its own, whatever the session's autocommit.
+    let written = async {
+        let mut tx = app.store.pool().begin().await?;
+        let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
+        H::exec(&mut *tx, sql, &[&caller.0, &body]).await?;
+        tx.commit().await
     };
-    match H::exec(&mut *conn, sql, &[&caller.0, &body]).await {
-        Ok(_) => StatusCode::CREATED.into_response(),
+    match written.await {
+        Ok(()) => StatusCode::CREATED.into_response(),
         Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
     }
 }

@@ -59,7 +59,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
 use crate::backend::Backend;
-use crate::engine::{HandlerFuture, Outcome, RequestIdentity};
+use crate::engine::{HandlerFuture, RequestIdentity};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -143,33 +143,16 @@ impl<DB: Backend> IdempotentRequest<DB> {
     where
         F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
-        // Only a keyed request is compared with another, so only its body need be
-        // JSON; options that fail `check` are refused by the engine.
-        let fingerprint = match (&key, options.check()) {
-            (Some(_), Ok(options)) => match options.fingerprint(body) {
-                Ok(fingerprint) => fingerprint,
-                Err(invalid) => {
-                    let endpoint = parts.extensions.get::<MatchedPath>().map_or_else(
-                        || parts.method.to_string(),
-                        |route| format!("{} {}", parts.method, route.as_str()),
-                    );
-                    crate::metrics::request(Outcome::Refused.as_str(), &endpoint);
-                    let mut response =
-                        problem_response(store, Problem::InvalidJson, &invalid.to_string());
-                    response.extensions_mut().insert(Outcome::Refused);
-                    return response;
-                }
-            },
-            _ => [0; 32],
+        // Only a keyed request is compared with another, so only its body is
+        // fingerprinted; the engine refuses a body that cannot be, and options that
+        // fail `check` before it.
+        let fingerprint = match key {
+            Some(_) => options.fingerprint(body),
+            None => Ok([0; 32]),
         };
-        let mut request = RequestIdentity::fingerprinted(
-            key,
-            scope,
-            &parts.method,
-            client_uri(parts),
-            fingerprint,
-        )
-        .with_content_type(content_type(parts));
+        let mut request =
+            RequestIdentity::identified(key, scope, &parts.method, client_uri(parts), fingerprint)
+                .with_content_type(content_type(parts));
         if let Some(route) = parts.extensions.get::<MatchedPath>() {
             request = request.with_endpoint(format!("{} {}", parts.method, route.as_str()));
         }

@@ -20,6 +20,7 @@ use tracing::Instrument as _;
 
 use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded, Written};
 use crate::cache::{Filler, Looked, ReplayCache};
+use crate::json::InvalidJson;
 use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::options::Options;
@@ -74,7 +75,8 @@ pub struct RequestIdentity {
     method: Method,
     path: String,
     content_type: String,
-    fingerprint: [u8; 32],
+    /// `Err` when the endpoint fingerprints JSON and the body is not: refused.
+    fingerprint: Result<[u8; 32], InvalidJson>,
     endpoint: Option<String>,
 }
 
@@ -98,6 +100,19 @@ impl RequestIdentity {
         method: &Method,
         uri: &Uri,
         fingerprint: [u8; 32],
+    ) -> Self {
+        Self::identified(key, scope, method, uri, Ok(fingerprint))
+    }
+
+    /// As [`fingerprinted`](Self::fingerprinted), or, for a body the endpoint
+    /// cannot fingerprint, a request the engine refuses 400 `invalid-json` when it
+    /// is keyed, as it refuses any other, before anything runs.
+    pub(crate) fn identified(
+        key: Option<IdempotencyKey>,
+        scope: impl Into<String>,
+        method: &Method,
+        uri: &Uri,
+        fingerprint: Result<[u8; 32], InvalidJson>,
     ) -> Self {
         let scope = scope.into();
         Self {
@@ -413,13 +428,23 @@ impl<DB: Backend> Idempotency<DB> {
                 Err(error) => self.store_failed(&error),
             };
         };
+        let fingerprint = match &request.fingerprint {
+            Ok(fingerprint) => fingerprint,
+            Err(invalid) => {
+                let detail = invalid.to_string();
+                return (
+                    Outcome::Refused,
+                    self.problem(Problem::InvalidJson, &detail),
+                );
+            }
+        };
         let id = Identity {
             scope: &request.scope,
             key: key.as_str(),
             method: request.method.as_str(),
             path: &request.path,
             content_type: &request.content_type,
-            fingerprint: &request.fingerprint,
+            fingerprint,
             digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
         };
         let signal = signal_of(&id.digest);

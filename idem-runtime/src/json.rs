@@ -123,12 +123,22 @@ pub(crate) const fn is_pointer(pointer: &str) -> bool {
 enum Value<'a> {
     Null,
     Bool(bool),
-    /// The number as written, checked against JSON's grammar.
-    Number(&'a str),
+    Number(Number<'a>),
     String(Cow<'a, str>),
     Array(Vec<Value<'a>>),
     /// Members in canonical order, names unique.
     Object(Vec<(Cow<'a, str>, Value<'a>)>),
+}
+
+/// A number, classified once by the parser.
+#[derive(Debug, Clone, Copy)]
+enum Number<'a> {
+    /// Written as its own canonical form: an integer of up to 15 digits other than
+    /// zero (the grammar forbids leading zeros), or one beyond ±2^53, which is kept
+    /// digit for digit (see the module).
+    AsWritten(&'a str),
+    /// Any other: its double, written in ECMAScript's form.
+    Double(f64),
 }
 
 /// RFC 8785 orders member names by their UTF-16 code units. That is UTF-8's byte
@@ -312,6 +322,7 @@ impl<'a> Parser<'a> {
         let whole = digits(&mut pos);
         let leading_zero = whole > 1 && bytes[pos - whole] == b'0';
         let mut ok = whole > 0 && !leading_zero;
+        let integer = !matches!(bytes.get(pos), Some(b'.' | b'e' | b'E'));
         if bytes.get(pos) == Some(&b'.') {
             pos += 1;
             ok &= digits(&mut pos) > 0;
@@ -328,15 +339,16 @@ impl<'a> Parser<'a> {
         }
         self.pos = pos;
         let raw = &self.text[start..pos];
-        let short_integer =
-            pos - start <= EXACT_DIGITS && !raw_has_fraction(&self.text[start..pos]);
-        if !short_integer && !is_big_integer(raw) && !raw.parse::<f64>().is_ok_and(f64::is_finite) {
-            return Err(InvalidJson::new(
+        if integer && whole_is_as_written(&raw[raw.len() - whole..]) {
+            return Ok(Value::Number(Number::AsWritten(raw)));
+        }
+        match raw.parse::<f64>() {
+            Ok(value) if value.is_finite() => Ok(Value::Number(Number::Double(value))),
+            _ => Err(InvalidJson::new(
                 "a number beyond the range of a double",
                 start,
-            ));
+            )),
         }
-        Ok(Value::Number(raw))
     }
 
     fn string(&mut self) -> Result<Cow<'a, str>, InvalidJson> {
@@ -443,19 +455,13 @@ impl<'a> Parser<'a> {
     }
 }
 
-fn raw_has_fraction(raw: &str) -> bool {
-    raw.contains(['.', 'e', 'E'])
-}
-
-/// An integer written without fraction or exponent, beyond ±2^53.
-fn is_big_integer(raw: &str) -> bool {
-    let digits = raw.strip_prefix('-').unwrap_or(raw);
-    if digits.contains(['.', 'e', 'E']) {
-        return false;
-    }
+/// Whether an integer's digits (no sign, no leading zero) are its canonical form:
+/// up to 15 of them but `0` (which a double writes the same, `-0` as `0`), or a
+/// magnitude beyond 2^53.
+fn whole_is_as_written(digits: &str) -> bool {
     match digits.len().cmp(&EXACT_DIGITS) {
         Ordering::Greater => true,
-        Ordering::Less => false,
+        Ordering::Less => digits != "0",
         Ordering::Equal => digits.parse::<u64>().is_ok_and(|n| n > EXACT),
     }
 }
@@ -522,7 +528,7 @@ impl<W: Sink> Canonical<W> {
             Value::Null => self.put(b"null"),
             Value::Bool(true) => self.put(b"true"),
             Value::Bool(false) => self.put(b"false"),
-            Value::Number(raw) => self.number(raw),
+            Value::Number(number) => self.number(*number),
             Value::String(text) => self.string(text),
             Value::Array(items) => {
                 self.put(b"[");
@@ -549,18 +555,11 @@ impl<W: Sink> Canonical<W> {
         }
     }
 
-    fn number(&mut self, raw: &str) {
-        // An integer of up to 15 digits (the grammar forbids leading zeros) is its
-        // own shortest form; beyond 2^53 it is kept as written (see the module).
-        let digits = raw.strip_prefix('-').unwrap_or(raw);
-        let integer = !digits.contains(['.', 'e', 'E']);
-        if integer && digits != "0" && (digits.len() < EXACT_DIGITS || is_big_integer(raw)) {
-            self.put(raw.as_bytes());
-            return;
+    fn number(&mut self, number: Number<'_>) {
+        match number {
+            Number::AsWritten(raw) => self.put(raw.as_bytes()),
+            Number::Double(value) => self.put(es_number(value).as_bytes()),
         }
-        // The parser let only finite doubles through.
-        let value = raw.parse::<f64>().unwrap_or(0.0);
-        self.put(es_number(value).as_bytes());
     }
 
     fn string(&mut self, text: &str) {

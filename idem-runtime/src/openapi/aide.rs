@@ -124,32 +124,36 @@ impl<O: OperationOutput, const DOC: u8> OperationOutput for Answer<O, DOC> {
     }
 }
 
+/// `response` with the headers of a replayed answer.
+fn headed(response: &Response, ttl: bool) -> Result<Response, serde_json::Error> {
+    let json = serde_json::to_value(response)?;
+    serde_json::from_value(with_answer_headers(json, ttl))
+}
+
 fn with_headers<const DOC: u8>(ctx: &mut GenContext, response: Response) -> Response {
-    let Ok(json) = serde_json::to_value(&response) else {
-        return response;
-    };
-    let ttl = DOC & doc::TTL_HEADER != 0;
-    read(ctx, with_answer_headers(json, ttl)).unwrap_or(response)
+    match headed(&response, DOC & doc::TTL_HEADER != 0) {
+        Ok(with) => with,
+        Err(error) => {
+            ctx.error(aide::Error::Other(Box::new(error)));
+            response
+        }
+    }
 }
 
 fn add_answer_headers(mut op: TransformOperation<'_>, ttl: bool) -> TransformOperation<'_> {
-    let Some(responses) = op.inner_mut().responses.take() else {
-        return op;
-    };
-    let mut responses = responses;
-    for (status, response) in &mut responses.responses {
-        let code = match status {
-            StatusCode::Code(code) => Some(*code),
-            StatusCode::Range(_) => None,
-        };
-        if let (true, ReferenceOr::Item(item)) = (recorded(code), response)
-            && let Ok(json) = serde_json::to_value(&*item)
-            && let Ok(with) = serde_json::from_value(with_answer_headers(json, ttl))
-        {
-            *item = with;
+    if let Some(responses) = &mut op.inner_mut().responses {
+        for (status, response) in &mut responses.responses {
+            let code = match status {
+                StatusCode::Code(code) => Some(*code),
+                StatusCode::Range(_) => None,
+            };
+            if let (true, ReferenceOr::Item(item)) = (recorded(code), response)
+                && let Ok(with) = headed(item, ttl)
+            {
+                *item = with;
+            }
         }
     }
-    op.inner_mut().responses = Some(responses);
     op
 }
 

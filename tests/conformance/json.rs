@@ -4,7 +4,7 @@
 //! claimed. Also the keys Firefox sends by itself (`Idempotency-Key: "<u64>"`).
 
 use axum::Router;
-use axum::extract::{FromRef, FromRequestParts};
+use axum::extract::FromRequestParts;
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
@@ -14,24 +14,6 @@ use idem_axum::{Idempotency, Outcome, Scope, Tx, idempotent};
 use crate::app::{Req, send};
 use crate::harness::Harness;
 use crate::{send_all, start};
-
-struct JsonApp<H: Harness> {
-    store: Idempotency<H::DB>,
-}
-
-impl<H: Harness> Clone for JsonApp<H> {
-    fn clone(&self) -> Self {
-        Self {
-            store: self.store.clone(),
-        }
-    }
-}
-
-impl<H: Harness> FromRef<JsonApp<H>> for Idempotency<H::DB> {
-    fn from_ref(app: &JsonApp<H>) -> Self {
-        app.store.clone()
-    }
-}
 
 /// The caller, from `x-scope` (as the suite's client sends it).
 struct Caller(String);
@@ -73,13 +55,13 @@ async fn by_bytes<H: Harness>(caller: Caller, mut tx: Tx<H::DB>, body: String) -
 
 /// A route without idem, which a browser's key must not change.
 async fn unkeyed<H: Harness>(
-    axum::extract::State(app): axum::extract::State<JsonApp<H>>,
+    axum::extract::State(store): axum::extract::State<Idempotency<H::DB>>,
     caller: Caller,
     body: String,
 ) -> Response {
     // Committed on its own, whatever the session's autocommit.
     let written = async {
-        let mut tx = app.store.pool().begin().await?;
+        let mut tx = store.pool().begin().await?;
         let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
         H::exec(&mut *tx, sql, &[&caller.0, &body]).await?;
         tx.commit().await
@@ -95,9 +77,7 @@ fn router<H: Harness>(h: &H) -> Router {
         .route("/by-value", post(by_value::<H>))
         .route("/by-bytes", post(by_bytes::<H>))
         .route("/unkeyed", post(unkeyed::<H>))
-        .with_state(JsonApp::<H> {
-            store: h.store().clone(),
-        })
+        .with_state(h.store().clone())
 }
 
 const FIRST: &str =

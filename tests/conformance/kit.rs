@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{FromRef, State};
+use axum::extract::State;
 use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -16,24 +16,6 @@ use idem_axum::{Idempotency, Options};
 
 use crate::BODY;
 use crate::harness::Harness;
-
-struct KitApp<H: Harness> {
-    store: Idempotency<H::DB>,
-}
-
-impl<H: Harness> Clone for KitApp<H> {
-    fn clone(&self) -> Self {
-        Self {
-            store: self.store.clone(),
-        }
-    }
-}
-
-impl<H: Harness> FromRef<KitApp<H>> for Idempotency<H::DB> {
-    fn from_ref(app: &KitApp<H>) -> Self {
-        app.store.clone()
-    }
-}
 
 fn scope_of(request: &IdempotentRequest<impl idem_axum::Backend>) -> String {
     let header = request.parts().headers.get("x-scope");
@@ -62,11 +44,11 @@ async fn through_tx<H: Harness>(request: IdempotentRequest<H::DB>) -> Response {
 
 /// Written wrong: its write goes through the store's pool, outside the `Tx`.
 async fn through_pool<H: Harness>(
-    State(app): State<KitApp<H>>,
+    State(store): State<Idempotency<H::DB>>,
     request: IdempotentRequest<H::DB>,
 ) -> Response {
     let scope = scope_of(&request);
-    let pool = app.store.pool().clone();
+    let pool = store.pool().clone();
     request
         .run(&scope.clone(), Options::new(), move |tx| {
             Box::pin(async move {
@@ -90,7 +72,10 @@ async fn through_pool<H: Harness>(
 }
 
 /// Not idempotent at all: a plain handler on the same route shape.
-async fn unkeyed<H: Harness>(State(app): State<KitApp<H>>, request: Request<Body>) -> Response {
+async fn unkeyed<H: Harness>(
+    State(store): State<Idempotency<H::DB>>,
+    request: Request<Body>,
+) -> Response {
     let scope = request
         .headers()
         .get("x-scope")
@@ -98,7 +83,7 @@ async fn unkeyed<H: Harness>(State(app): State<KitApp<H>>, request: Request<Body
         .unwrap_or_default()
         .to_owned();
     let written = async {
-        let mut own = app.store.pool().begin().await?;
+        let mut own = store.pool().begin().await?;
         let sql = "INSERT INTO effects (scope, note) VALUES ($1, $2)";
         H::exec(&mut *own, sql, &[&scope, "unkeyed"]).await?;
         own.commit().await
@@ -114,9 +99,7 @@ fn kit<H: Harness>(h: &Arc<H>, path: &'static str, scope: &str) -> ExactlyOnce {
         .route("/tx", post(through_tx::<H>))
         .route("/pool", post(through_pool::<H>))
         .route("/unkeyed", post(unkeyed::<H>))
-        .with_state(KitApp::<H> {
-            store: h.store().clone(),
-        });
+        .with_state(h.store().clone());
     let request = {
         let scope = scope.to_owned();
         move || {

@@ -361,25 +361,7 @@ async fn partition_maintenance_drops_ended_days() {
     };
     let app = router(&h);
     let pool = h.direct_pool().clone();
-    let old: String =
-        sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 3, 'YYYYMMDD')")
-            .fetch_one(&pool)
-            .await
-            .expect("date");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE idempotency_keys_p{old} PARTITION OF idempotency_keys \
-             FOR VALUES FROM ((now() AT TIME ZONE 'UTC')::date - 3) \
-                          TO ((now() AT TIME ZONE 'UTC')::date - 2); \
-         INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-         SELECT 'old', 'k-' || g, 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
-             now() - interval '4 days', ((now() AT TIME ZONE 'UTC')::date - 3) + interval '1 hour', \
-             now() - interval '4 days' \
-         FROM generate_series(1, 50) AS g"
-    )))
-    .execute(&pool)
-    .await
-    .expect("a partition for a day that has ended");
+    let old = ended_day(&pool, "idempotency_keys", 3, 50).await;
     // A day table a detach left behind (detached, its drop not done).
     let left: String =
         sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - 4, 'YYYYMMDD')")
@@ -396,13 +378,7 @@ async fn partition_maintenance_drops_ended_days() {
     assert_eq!(live.status, 201);
 
     let changed = h.store().maintain_partitions(4).await.expect("maintenance");
-    assert_eq!(
-        changed.dropped,
-        [
-            format!("idempotency_keys_p{left}"),
-            format!("idempotency_keys_p{old}")
-        ]
-    );
+    assert_eq!(changed.dropped, [format!("idempotency_keys_p{left}"), old]);
     assert_eq!(
         changed.created.len(),
         1,
@@ -420,8 +396,9 @@ async fn partition_maintenance_drops_ended_days() {
     h.finish().await;
 }
 
-/// Creates a partition for a day that ended `days` ago on `table`, with a key in it.
-async fn ended_day(pool: &PgPool, table: &str, days: i32) -> String {
+/// Creates a partition for a day that ended `days` ago on `table`, with `keys`
+/// completed keys of scope `old` in it; returns its name.
+async fn ended_day(pool: &PgPool, table: &str, days: i32, keys: i32) -> String {
     let stamp: String =
         sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date - $1, 'YYYYMMDD')")
             .bind(days)
@@ -435,9 +412,11 @@ async fn ended_day(pool: &PgPool, table: &str, days: i32) -> String {
                           TO ((now() AT TIME ZONE 'UTC')::date - {days} + 1); \
          INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
              fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-         VALUES ('old', 'k-old', 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
-             now() - interval '5 days', ((now() AT TIME ZONE 'UTC')::date - {days}) + interval '1 hour', \
-             now() - interval '5 days')"
+         SELECT 'old', 'k-' || g, 'completed', 1, 'POST', '/effects', '\\x00', 201, '', 'x', \
+             now() - interval '{days} days' - interval '1 day', \
+             ((now() AT TIME ZONE 'UTC')::date - {days}) + interval '1 hour', \
+             now() - interval '{days} days' - interval '1 day' \
+         FROM generate_series(1, {keys}) AS g"
     )))
     .execute(pool)
     .await
@@ -492,7 +471,7 @@ async fn maintenance_beside_a_long_handler(legacy: bool) {
         h.script("CREATE TABLE idempotency_keys_default PARTITION OF idempotency_keys DEFAULT")
             .await;
     }
-    let old = ended_day(&pool, "idempotency_keys", 3).await;
+    let old = ended_day(&pool, "idempotency_keys", 3, 1).await;
     let app = router(&h);
     let cold = router_on::<PgParted>(h.another_instance());
     let idle = std::sync::atomic::AtomicBool::new(true);

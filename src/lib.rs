@@ -275,8 +275,18 @@
 /// neither `scope` nor `unscoped = true`, `scope` naming no parameter or a type
 /// that is not a [`Scope`], a function that is not `async`, two `Tx` parameters, a
 /// non-boolean `required`. An attribute error comes alone: the function is still
-/// emitted as written, so its uses report nothing more. At run time, every answer
-/// idem gives itself is listed in the crate docs' table.
+/// emitted as written, so its uses report nothing more. A handler on a database
+/// this build lacks (`Tx<Postgres>` without the `postgres` feature) is one error
+/// on that type, naming the feature.
+///
+/// The router state is checked where the route is added, by rustc, which reports
+/// it there: a state without the store is a mismatch between `MethodRouter<YourState>`
+/// and `MethodRouter<Idempotency<Postgres>>`, or, when another extractor of the
+/// handler fixes the state's type, an unsatisfied `Handler<…, YourState>`. Either
+/// way the fix is to make the store reachable from the state: an
+/// `Idempotency<Postgres>` field of a `#[derive(Clone, FromRef)]` state.
+///
+/// At run time, every answer idem gives itself is listed in the crate docs' table.
 ///
 /// # Examples
 ///

@@ -20,9 +20,12 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let args = syn::parse2::<Args>(args);
     match (args, Handler::analyze(&func)) {
-        (Ok(args), Ok(handler)) => match handler.expand(&args, &func) {
-            Ok(tokens) => tokens,
-            Err(error) => with_errors(&func, error),
+        (Ok(args), Ok(handler)) => match not_built_for(args.db.as_ref().or(handler.db)) {
+            Some(error) => not_built(&func, error),
+            None => match handler.expand(&args, &func) {
+                Ok(tokens) => tokens,
+                Err(error) => with_errors(&func, error),
+            },
         },
         (Err(mut first), Err(second)) => {
             first.combine(second);
@@ -37,13 +40,6 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// written is kept under another name, so that its body is still checked.
 fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
     let errors = error.to_compile_error();
-    // The stub keeps the function's `cfg` and docs: a crate that denies missing
-    // docs gets no second error.
-    let kept: Vec<_> = func
-        .attrs
-        .iter()
-        .filter(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("doc"))
-        .collect();
     let mut written = func.clone();
     written.attrs.retain(|attr| attr.path().is_ident("cfg"));
     written.vis = syn::Visibility::Inherited;
@@ -51,18 +47,83 @@ fn with_errors(func: &ItemFn, error: Error) -> TokenStream {
         &format!("__idem_written_{}", func.sig.ident),
         func.sig.ident.span(),
     );
+    stub(
+        func,
+        quote! {
+            #errors
+            #[allow(dead_code, non_snake_case, clippy::all)]
+            #written
+        },
+    )
+}
+
+/// `before`, then a handler any router takes in the function's place, with its
+/// `cfg` and docs (a crate that denies missing docs gets no second error).
+fn stub(func: &ItemFn, before: TokenStream) -> TokenStream {
+    let kept = func
+        .attrs
+        .iter()
+        .filter(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("doc"));
     let vis = &func.vis;
     let ident = &func.sig.ident;
     let generics = &func.sig.generics;
     let where_clause = &func.sig.generics.where_clause;
     quote! {
-        #errors
-        #[allow(dead_code, non_snake_case, clippy::all)]
-        #written
+        #before
         #(#kept)*
         #[allow(dead_code, unused)]
         #vis async fn #ident #generics () #where_clause {}
     }
+}
+
+/// The error, the stub, and the parameter types alone (so their imports count
+/// as used and a misspelt one is still reported): the handler's body would only
+/// repeat the error, in sqlx's traits.
+fn not_built(func: &ItemFn, error: Error) -> TokenStream {
+    let errors = error.to_compile_error();
+    let types = func.sig.inputs.iter().filter_map(|input| match input {
+        FnArg::Typed(param) => Some(&param.ty),
+        FnArg::Receiver(_) => None,
+    });
+    let ident = Ident::new(
+        &format!("__idem_unbuilt_{}", func.sig.ident),
+        func.sig.ident.span(),
+    );
+    let generics = &func.sig.generics;
+    let where_clause = &func.sig.generics.where_clause;
+    stub(
+        func,
+        quote! {
+            #errors
+            #[allow(dead_code, non_snake_case, clippy::all)]
+            fn #ident #generics (#(_: #types),*) #where_clause {}
+        },
+    )
+}
+
+/// The databases this build of idem-axum supports: its features reach this crate
+/// too (Cargo.toml), so a missing one is one error on the handler's own `Tx<DB>`
+/// rather than several in idem's traits. A name other than sqlx's own (an alias)
+/// is left to the trait bounds, whose messages say the same.
+const DATABASES: &[(&str, &str, bool)] = &[
+    ("Postgres", "postgres", cfg!(feature = "postgres")),
+    ("MySql", "mysql", cfg!(feature = "mysql")),
+    ("Sqlite", "sqlite", cfg!(feature = "sqlite")),
+];
+
+fn not_built_for(db: Option<&Type>) -> Option<Error> {
+    let db = db?;
+    let (name, feature, _) = DATABASES
+        .iter()
+        .find(|(name, _, enabled)| !enabled && is_named(db, name))?;
+    Some(Error::new_spanned(
+        db,
+        format!(
+            "idem-axum was built without `{name}`: enable its `{feature}` feature, \
+             `idem-axum = {{ version = \"0.1\", features = [\"{feature}\"] }}` in Cargo.toml \
+             (no database is enabled by default, as in sqlx)"
+        ),
+    ))
 }
 
 fn not_a_function(item: TokenStream) -> TokenStream {
@@ -541,8 +602,9 @@ mod tests {
     use super::*;
 
     fn expanded(args: TokenStream) -> String {
+        // Behind an alias, so that the test does not depend on this crate's features.
         let item = quote! {
-            async fn transfer(tx: Tx<Postgres>) -> StatusCode {
+            async fn transfer(tx: Tx<Db>) -> StatusCode {
                 let _ = tx;
                 StatusCode::CREATED
             }
@@ -560,5 +622,36 @@ mod tests {
         assert!(renamed.contains("pay :: __private"), "{renamed}");
         assert!(!renamed.contains("idem_axum"), "{renamed}");
         assert!(!renamed.contains("compile_error"), "{renamed}");
+    }
+
+    /// A database this build lacks is one error, on the handler's `Tx<DB>` or
+    /// `db = …`, and nothing else is generated; one it has expands as usual.
+    #[test]
+    fn a_database_not_built_for_is_one_error() {
+        for (name, feature, enabled) in DATABASES {
+            let db = Ident::new(name, Span::call_site());
+            for (args, item) in [
+                (
+                    quote!(unscoped = true),
+                    quote!(async fn transfer(tx: sqlx::Tx<#db>) {}),
+                ),
+                (
+                    quote!(unscoped = true, db = sqlx::#db),
+                    quote!(
+                        async fn transfer(tx: Alias) {}
+                    ),
+                ),
+            ] {
+                let out = idempotent(args, item).to_string();
+                let errors = out.matches("compile_error").count();
+                if *enabled {
+                    assert_eq!(errors, 0, "{out}");
+                } else {
+                    assert_eq!(errors, 1, "{out}");
+                    assert!(out.contains(&format!("[\\\"{feature}\\\"]")), "{out}");
+                    assert!(!out.contains("__private"), "{out}");
+                }
+            }
+        }
     }
 }

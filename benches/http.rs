@@ -8,6 +8,7 @@
 //! cargo bench --all-features --bench http -- --only idem-first,idem-replay   # and `bare`
 //! cargo bench --all-features --bench http -- --growth              # also with 10^4, 10^6, 10^7 keys stored
 //! cargo bench --all-features --bench http -- --paired hand-written,idem-first   # both at once
+//! cargo bench --all-features --bench http -- --ceiling             # replays and `static` under wrk
 //! ```
 //!
 //! Each backend is measured on its own, every run in a schema (PostgreSQL), a
@@ -45,6 +46,9 @@
 //!   then in one `BEGIN IMMEDIATE` transaction the claim, the write, the record;
 //! - `idem-first`: `#[idempotent]`, every request a new key;
 //! - `idem-replay`: `#[idempotent]`, every request a key this instance completed;
+//! - `static`: the answer a replay gives (status, JSON body, `Idempotent-Replayed`)
+//!   from a handler with the same extractors and no idem, sent the replays' keys:
+//!   what a replay from memory could at best be;
 //! - `idem-replay-cold`: every request a stored key this instance never saw (as
 //!   when another instance served it);
 //! - `idem-storm`: `#[idempotent]`, keys sent 8 times each by concurrent connections;
@@ -148,6 +152,22 @@ async fn idem<DB: idem_axum::Backend + Shop>(
         Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
         Err(error) => failed(error),
     }
+}
+
+/// `static`: what a replay answers (the status, the JSON body, the replay's
+/// header), from a handler with the same extractors and no idem: the limit of a
+/// replay from memory.
+async fn static_payment(
+    key: idem_axum::IdempotencyKey,
+    axum::Json(new): axum::Json<NewPayment>,
+) -> Response {
+    let _ = key;
+    (
+        StatusCode::CREATED,
+        [("idempotent-replayed", "true")],
+        axum::Json(Payment::of(1, &new)),
+    )
+        .into_response()
 }
 
 /// What a hand-written floor answers: the status and the JSON body.
@@ -725,7 +745,9 @@ async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
     size: usize,
     floors: Vec<(&str, MethodRouter<App<DB>>)>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    // `IDEM_BENCH_REPLAY_CACHE=0` (inherited from the bench) measures without it.
+    // `IDEM_BENCH_REPLAY_CACHE=0` (inherited from the bench) measures without it,
+    // and so does the growth runs' `idem-uncached`.
+    let variant = std::env::var("VARIANT")?;
     let mut idempotency = Idempotency::builder(pool.clone());
     if let Some(bytes) = std::env::var("IDEM_BENCH_REPLAY_CACHE")
         .ok()
@@ -733,19 +755,23 @@ async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
     {
         idempotency = idempotency.replay_cache(bytes);
     }
+    if variant == "idem-uncached" {
+        idempotency = idempotency.replay_cache(0);
+    }
     let idempotency = DB::tune(idempotency);
     let app = App {
         idempotency: idempotency.build()?,
         pool,
         redis: Arc::new(Redis::new("127.0.0.1:6379", size)),
     };
-    let handler = match std::env::var("VARIANT")?.as_str() {
+    let handler = match variant.as_str() {
         "bare" => post(shop::pay::<DB>),
         floor if floor.starts_with("hand-written") => floors
             .into_iter()
             .find_map(|(name, handler)| (name == floor).then_some(handler))
             .ok_or("no such hand-written floor for this backend")?,
         "naive-cache" => post(naive_cache::<DB>),
+        "static" => post(static_payment),
         _ => post(idem::<DB>),
     };
     let router = Router::new()
@@ -1053,7 +1079,7 @@ fn peer_exe() -> std::path::PathBuf {
 fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String> {
     match variant {
         "bare" => None,
-        "idem-replay" => Some(format!("{run}-replay-{}", n % replay_keys)),
+        "idem-replay" | "static" => Some(format!("{run}-replay-{}", n % replay_keys)),
         // Each stored key once, by an instance that has not seen it.
         "idem-replay-cold" => Some(format!("{run}-replay-{n}")),
         "idem-storm" | "naive-cache-storm" | "axum-idempotent-storm" => {
@@ -1149,6 +1175,8 @@ struct Row {
     doubled: Option<i64>,
     /// Requests/s relative to `bare` in the same round.
     ratio: f64,
+    /// Served with the replay cache off.
+    uncached: bool,
 }
 
 async fn run_variant(
@@ -1173,10 +1201,52 @@ async fn run_variant(
         prefill
     };
     let url = target.prepare(&schema, stored).await;
+    let on = Run {
+        url: &url,
+        schema: &schema,
+        tag: &schema,
+        stored,
+        first_key: 0,
+    };
+    let mut row = measure(settings, variant, serves, target, &on).await;
+    row.prefill = prefill;
+    target.drop_run(&schema).await;
+    row
+}
+
+/// Where a measured run goes: its server's database, the schema (or database,
+/// or file) holding `stored` completed keys, the tag its new keys carry, and the
+/// first stored key its replays send (runs that share a table replay keys of
+/// their own).
+struct Run<'a> {
+    url: &'a str,
+    schema: &'a str,
+    tag: &'a str,
+    stored: u64,
+    first_key: u64,
+}
+
+/// One variant's run on `on`, served as `serves` says: a server of its own, a
+/// short counted pass, then the load.
+async fn measure(
+    settings: &Settings,
+    variant: &'static str,
+    serves: &'static str,
+    target: &Target,
+    on: &Run<'_>,
+) -> Row {
+    let Run {
+        url,
+        schema,
+        tag,
+        stored,
+        first_key,
+    } = *on;
+    let cold = variant == "idem-replay-cold";
     // What the last run left the server to do (its dropped database, purge) is not
     // this one's to pay for.
     target.settle().await;
-    let server = Server::start(serves, target, &url, &schema, settings.connections).await;
+    let server = Server::start(serves, target, url, schema, settings.connections).await;
     let path = "/payments";
     // One session for all of the peer's clients, as for one user's retries.
     let cookie = if serves == "peer" {
@@ -1192,7 +1262,7 @@ async fn run_variant(
     if variant == "idem-replay" && stored == 0 {
         let mut conn = Conn::open(&server.addr).await;
         for n in 0..replay_keys {
-            let key = key_for(&schema, variant, n, replay_keys);
+            let key = key_for(schema, variant, n, replay_keys);
             conn.post(path, key.as_deref(), BODY).await;
         }
     }
@@ -1206,9 +1276,9 @@ async fn run_variant(
     for n in 0..sample {
         // Replays replay the keys above; the rest use keys of the pass's own.
         let run = if variant.contains("-replay") {
-            schema.clone()
+            schema.to_owned()
         } else {
-            format!("{schema}-count")
+            format!("{tag}-count")
         };
         let key = key_for(&run, variant, n, replay_keys);
         conn.post(path, key.as_deref(), BODY).await;
@@ -1224,12 +1294,16 @@ async fn run_variant(
         / sample as f64;
 
     // The cold replays' counted pass used the first keys.
-    let counter = Arc::new(AtomicU64::new(if cold { sample } else { 0 }));
+    let counter = Arc::new(AtomicU64::new(first_key + if cold { sample } else { 0 }));
     let warm_until = Instant::now() + Duration::from_secs(1);
     let until = warm_until + Duration::from_secs(settings.secs);
     let load = Load {
         addr: server.addr.clone(),
-        run: schema.clone(),
+        run: if variant.contains("-replay") {
+            schema.to_owned()
+        } else {
+            tag.to_owned()
+        },
         variant,
         replay_keys,
         cookie: cookie.clone(),
@@ -1264,13 +1338,13 @@ async fn run_variant(
     } else {
         None
     };
-    let (bytes, keys) = target.inspect(&schema).await;
+    let (bytes, keys) = target.inspect(schema).await;
     if cold && u64::try_from(keys).unwrap_or(0) > stored {
         eprintln!("{variant}: ran out of stored keys; the table grew to {keys}");
     }
     let row = Row {
         variant,
-        prefill,
+        prefill: stored,
         keys,
         mib_per_million: bytes
             .filter(|_| keys > 0)
@@ -1287,9 +1361,9 @@ async fn run_variant(
         statuses,
         doubled,
         ratio: 1.0,
+        uncached: serves == "idem-uncached",
     };
     drop(server);
-    target.drop_run(&schema).await;
     row
 }
 
@@ -1461,6 +1535,24 @@ impl Target {
         }
     }
 
+    /// Vacuums and analyzes the run's key table (PostgreSQL only: the others are
+    /// never prefilled).
+    async fn vacuum(&self, schema: &str) {
+        if let Self::Postgres { admin, .. } = self {
+            // One statement each: a text of several is one transaction, which
+            // VACUUM refuses.
+            for statement in [
+                format!("VACUUM (ANALYZE) {schema}.idempotency_keys"),
+                "CHECKPOINT".to_owned(),
+            ] {
+                sqlx::raw_sql(AssertSqlSafe(statement))
+                    .execute(admin)
+                    .await
+                    .expect("vacuum");
+            }
+        }
+    }
+
     /// The key table's size in bytes with its indexes (not on SQLite), and its rows.
     async fn inspect(&self, schema: &str) -> (Option<i64>, i64) {
         match self {
@@ -1594,30 +1686,80 @@ async fn pgbench(settings: &Settings, url: &str, admin: &PgPool) -> Option<f64> 
 }
 
 /// idem-first and idem-replay with 10^4, 10^6 and 10^7 completed keys in the table
-/// (bulk-loaded in one `INSERT … SELECT` over `generate_series`).
+/// (bulk-loaded in one `INSERT … SELECT` over `generate_series`, then vacuumed so
+/// that no run pays for setting the rows' hint bits), each with the replay cache
+/// on and off. Every size's table is loaded once and shared by its runs, which
+/// alternate in rounds (cache on first, then off first), each replaying stored
+/// keys no earlier run read.
 async fn growth(settings: &Settings, target: &Target) {
     let mut rows = Vec::new();
-    for prefill in [10_000, 1_000_000, 10_000_000] {
-        for variant in ["idem-first", "idem-replay"] {
-            rows.push(run_variant(settings, variant, "idem", target, prefill, 0).await);
+    let variants = [
+        ("idem-first", "idem"),
+        ("idem-first", "idem-uncached"),
+        ("idem-replay", "idem"),
+        ("idem-replay", "idem-uncached"),
+    ];
+    for prefill in [10_000_u64, 1_000_000, 10_000_000] {
+        let schema = format!(
+            "idem_bench_http_{}_{}_growth_{prefill}",
+            std::process::id(),
+            target.name()
+        );
+        let url = target.prepare(&schema, prefill).await;
+        target.vacuum(&schema).await;
+        let runs = settings.rounds * variants.len() as u64;
+        let mut run = 0;
+        for round in 0..settings.rounds {
+            // Pairs of one variant with the cache on and off, in either order.
+            for pair in variants.chunks(2) {
+                let order: Vec<_> = if round % 2 == 0 {
+                    pair.iter().collect()
+                } else {
+                    pair.iter().rev().collect()
+                };
+                for &(variant, serves) in order {
+                    let tag = format!("{schema}-{run}");
+                    let on = Run {
+                        url: &url,
+                        schema: &schema,
+                        tag: &tag,
+                        stored: prefill,
+                        first_key: prefill / runs * run,
+                    };
+                    let mut row = measure(settings, variant, serves, target, &on).await;
+                    row.prefill = prefill;
+                    rows.push((round, row));
+                    run += 1;
+                }
+            }
         }
+        target.drop_run(&schema).await;
     }
-    println!("\nGrowth: the same load with completed keys already in the table\n");
     println!(
-        "| keys before | variant | req/s | × the smallest table's | p50 ms | p99 ms | keys after | table + indexes, bytes per key |"
+        "\nGrowth: the same load with completed keys already in the table, the replay cache on and off, {} round(s)\n",
+        settings.rounds
     );
-    println!("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for row in &rows {
-        let smallest = rows
+    println!(
+        "| keys before | variant | cache | round | req/s | × cache off, same round | p50 ms | p99 ms | keys after | table + indexes, bytes per key |"
+    );
+    println!("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (round, row) in &rows {
+        let off = rows
             .iter()
-            .find(|r| r.variant == row.variant)
-            .map_or(row.rate, |r| r.rate);
+            .find(|(r, other)| {
+                r == round
+                    && other.uncached
+                    && other.prefill == row.prefill
+                    && other.variant == row.variant
+            })
+            .map_or(row.rate, |(_, other)| other.rate);
         println!(
-            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:.0} |",
+            "| {} | {} | {} | {round} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:.0} |",
             row.prefill,
             row.variant,
+            if row.uncached { "off" } else { "on" },
             row.rate,
-            row.rate / smallest,
+            row.rate / off,
             row.p50.as_secs_f64() * 1e3,
             row.p99.as_secs_f64() * 1e3,
             row.keys,
@@ -1749,6 +1891,10 @@ fn main() {
                     continue;
                 }
             };
+            if args.iter().any(|a| a == "--ceiling") {
+                ceiling(&settings, &target).await;
+                continue;
+            }
             if let Some(pair) = args
                 .iter()
                 .position(|a| a == "--paired")
@@ -1904,6 +2050,189 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
     );
 }
 
+/// The wrk script of `--ceiling`: every connection sends the body with one of
+/// `keys` keys in turn, the requests written once, before the load.
+const WRK_SCRIPT: &str = r#"
+local requests = {}
+local n = 0
+init = function(args)
+  local prefix, keys, body = args[1], tonumber(args[2]), args[3]
+  for i = 0, keys - 1 do
+    requests[i + 1] = wrk.format("POST", "/payments",
+      { ["Content-Type"] = "application/json", ["Idempotency-Key"] = prefix .. i }, body)
+  end
+end
+request = function()
+  n = n + 1
+  return requests[n % #requests + 1]
+end
+"#;
+
+/// `--ceiling`: replays from memory against their limit, `static` (the same
+/// answer from a handler with the same extractors and no idem), both loaded by
+/// wrk (one thread, `--connections`): at these rates the bench's own client
+/// would be what is measured. Both servers run throughout; rounds alternate
+/// which one goes first. Replays cycle over 1000 keys completed beforehand.
+async fn ceiling(settings: &Settings, target: &Target) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    let script = dir.join("idem-bench-wrk.lua");
+    if let Err(error) =
+        std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&script, WRK_SCRIPT))
+    {
+        eprintln!("{}: {error}", script.display());
+        return;
+    }
+    let schema = format!(
+        "idem_bench_http_{}_{}_ceiling",
+        std::process::id(),
+        target.name()
+    );
+    let url = target.prepare(&schema, 0).await;
+    let keys = 1000;
+    let idem = Server::start("idem", target, &url, &schema, settings.connections).await;
+    let plain = Server::start("static", target, &url, &schema, settings.connections).await;
+    let mut conn = Conn::open(&idem.addr).await;
+    for n in 0..keys {
+        let key = key_for(&schema, "idem-replay", n, keys);
+        conn.post("/payments", key.as_deref(), BODY).await;
+    }
+    // The servers on one CPU, wrk on another (when `taskset` is there and the
+    // machine has two): where the scheduler puts them otherwise moves each run's
+    // CPU per request by a third.
+    let pinned = pin(&[&idem, &plain]);
+    target.settle().await;
+    println!(
+        "\n{}: replays from memory and their limit, wrk -t1 -c{} -d{}s each, {} round(s){}\n",
+        target.label(),
+        settings.connections,
+        settings.secs,
+        settings.rounds,
+        if pinned {
+            ", the servers on CPU 0 and wrk on the last"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "| round | static req/s | replay req/s | replay / static | static p99 ms | replay p99 ms | static server CPU µs/req | replay server CPU µs/req |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut ratios = Vec::new();
+    for round in 0..settings.rounds {
+        let mut measured = [None, None];
+        let order = if round % 2 == 0 { [1, 0] } else { [0, 1] };
+        for i in order {
+            let server = if i == 0 { &plain } else { &idem };
+            let before = server.cpu_seconds();
+            measured[i] = wrk(
+                settings,
+                pinned,
+                &script,
+                &server.addr,
+                &format!("{schema}-replay-"),
+                keys,
+            )
+            .map(|(rate, p99, requests)| {
+                let cpu_us = (server.cpu_seconds() - before) * 1e6 / requests.max(1.0);
+                (rate, p99, cpu_us)
+            });
+        }
+        let [Some(plain), Some(replay)] = measured else {
+            eprintln!("wrk did not run (apt-get install wrk)");
+            break;
+        };
+        let ratio = replay.0 / plain.0.max(1.0);
+        println!(
+            "| {round} | {:.0} | {:.0} | {ratio:.2} | {:.2} | {:.2} | {:.1} | {:.1} |",
+            plain.0, replay.0, plain.1, replay.1, plain.2, replay.2
+        );
+        ratios.push(ratio);
+    }
+    drop((idem, plain));
+    target.drop_run(&schema).await;
+    if !ratios.is_empty() {
+        ratios.sort_by(f64::total_cmp);
+        println!(
+            "\nreplay / static: median {:.2} ({:.2}–{:.2})",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    }
+}
+
+/// One wrk run against `addr`: requests/s, p99 in ms and requests; `None` if
+/// wrk is missing. Any answer but 201 fails the bench: a fast error is no replay.
+fn wrk(
+    settings: &Settings,
+    pinned: bool,
+    script: &std::path::Path,
+    addr: &str,
+    prefix: &str,
+    keys: u64,
+) -> Option<(f64, f64, f64)> {
+    let mut wrk = if pinned {
+        let mut taskset = std::process::Command::new("taskset");
+        taskset.args(["-c", &last_cpu().to_string(), "wrk"]);
+        taskset
+    } else {
+        std::process::Command::new("wrk")
+    };
+    let out = wrk
+        .args(["-t1", "--latency"])
+        .arg(format!("-c{}", settings.connections))
+        .arg(format!("-d{}s", settings.secs))
+        .arg("-s")
+        .arg(script)
+        .arg(format!("http://{addr}/payments"))
+        .args(["--", prefix, &keys.to_string(), BODY])
+        .output()
+        .ok()?;
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.contains("Non-2xx"),
+        "wrk saw other answers than 201:\n{out}"
+    );
+    let value = |prefix: &str| {
+        out.lines()
+            .find_map(|line| line.trim_start().strip_prefix(prefix))
+            .and_then(|rest| rest.split_whitespace().next().map(str::to_owned))
+    };
+    let rate = value("Requests/sec:")?.parse().ok()?;
+    // "N requests in 4.00s, …"
+    let requests = out
+        .lines()
+        .find(|line| line.contains(" requests in "))
+        .and_then(|line| line.split_whitespace().next())
+        .and_then(|n| n.parse().ok())?;
+    let p99 = value("99%")?;
+    let p99_ms = if let Some(us) = p99.strip_suffix("us") {
+        us.parse::<f64>().ok()? / 1e3
+    } else if let Some(ms) = p99.strip_suffix("ms") {
+        ms.parse().ok()?
+    } else {
+        p99.strip_suffix('s')?.parse::<f64>().ok()? * 1e3
+    };
+    Some((rate, p99_ms, requests))
+}
+
+fn last_cpu() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from) - 1
+}
+
+/// Pins every thread of `servers` to CPU 0; whether it could (two CPUs or more,
+/// `taskset` installed).
+fn pin(servers: &[&Server]) -> bool {
+    last_cpu() > 0
+        && servers.iter().all(|server| {
+            std::process::Command::new("taskset")
+                .args(["-a", "-p", "-c", "0", &server.child.id().to_string()])
+                .stdout(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success())
+        })
+}
+
 /// Every variant on one backend, in rounds; the median round's rows, and the
 /// number of rounds in which `idem-storm` ran a key twice.
 async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) -> (Vec<Row>, usize) {
@@ -1915,6 +2244,7 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         ("hand-written", "hand-written"),
         ("idem-first", "idem"),
         ("idem-replay", "idem"),
+        ("static", "static"),
     ];
     // Replays of keys stored by no server are prefilled on PostgreSQL only.
     if postgres {
@@ -2029,6 +2359,17 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
             round_trips,
             answers,
             row.doubled.map_or("-".to_owned(), |d| d.to_string()),
+        );
+    }
+    let rate = |variant: &str| {
+        rows.iter()
+            .find(|(row, _, _)| row.variant == variant)
+            .map(|(row, _, _)| row.rate)
+    };
+    if let (Some(replay), Some(limit)) = (rate("idem-replay"), rate("static")) {
+        println!(
+            "\nidem-replay / static: {:.2} (the same answer from a handler without idem; `--ceiling` measures it under wrk)",
+            replay / limit
         );
     }
     (

@@ -388,7 +388,7 @@ impl<'a> Handler<'a> {
             #(#attrs)*
             #vis async fn #ident #generics (#(#inputs),*) -> #private::Answer<#answer, #doc> #where_clause {
                 let (#call, #last_value) = #last_arg.into_parts();
-                let #mark = #private::InHandler::of(&#call);
+                let #mark = #call.in_handler();
                 #(#before)*
                 let #scope: ::std::string::String = #scope_value;
                 let #answered = #call

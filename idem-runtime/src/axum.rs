@@ -44,19 +44,22 @@
 //! # }
 //! ```
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use axum::RequestExt as _;
 use axum::body::Body;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{
     FromRef, FromRequest, FromRequestParts, MatchedPath, OptionalFromRequestParts, OriginalUri,
     Request,
 };
 use axum::http::request::Parts;
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::future::Either;
+use http_body_util::BodyExt as _;
 
 use crate::backend::Backend;
 use crate::engine::{HandlerFuture, RequestIdentity};
@@ -143,23 +146,59 @@ impl<DB: Backend> IdempotentRequest<DB> {
     where
         F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
     {
-        // Only a keyed request is compared with another, so only its body is
-        // fingerprinted; the engine refuses a body that cannot be, and options that
-        // fail `check` before it.
+        let request = Seen::of(parts).identify(key, body, scope, options);
+        store
+            .execute(request, options, handler)
+            .await
+            .map(Body::from)
+    }
+}
+
+/// What the engine reads of a request's line and headers, taken before its parts
+/// go on to the handler's own extractor, which needs them whole.
+#[derive(Debug)]
+struct Seen {
+    method: Method,
+    uri: Uri,
+    content_type: String,
+    /// `METHOD /route` when a route matched: the metrics' endpoint.
+    endpoint: Option<String>,
+}
+
+impl Seen {
+    fn of(parts: &Parts) -> Self {
+        Self {
+            method: parts.method.clone(),
+            uri: client_uri(parts).clone(),
+            content_type: content_type(parts),
+            endpoint: parts
+                .extensions
+                .get::<MatchedPath>()
+                .map(|route| format!("{} {}", parts.method, route.as_str())),
+        }
+    }
+
+    /// The request's identity. Only a keyed request is compared with another, so
+    /// only its body is fingerprinted; the engine refuses a body that cannot be,
+    /// and options that fail `check`, before anything else.
+    fn identify(
+        self,
+        key: Option<IdempotencyKey>,
+        body: &[u8],
+        scope: &str,
+        options: Options,
+    ) -> RequestIdentity {
         let fingerprint = match key {
             Some(_) => options.fingerprint(body),
             None => Ok([0; 32]),
         };
         let mut request =
-            RequestIdentity::identified(key, scope, &parts.method, client_uri(parts), fingerprint)
-                .with_content_type(content_type(parts));
-        if let Some(route) = parts.extensions.get::<MatchedPath>() {
-            request = request.with_endpoint(format!("{} {}", parts.method, route.as_str()));
+            RequestIdentity::identified(key, scope, &self.method, &self.uri, fingerprint)
+                .with_content_type(self.content_type);
+        if let Some(endpoint) = self.endpoint {
+            request = request.with_endpoint(endpoint);
         }
-        store
-            .execute(request, options, handler)
-            .await
-            .map(Body::from)
+        request
     }
 }
 
@@ -176,10 +215,13 @@ where
         let key = IdempotencyKey::from_headers(request.headers()).map_err(|invalid| {
             problem_response(&store, Problem::InvalidKey, &invalid.to_string())
         })?;
-        let (parts, body) = request.into_parts();
-        let buffered = Bytes::from_request(Request::from_parts(parts.clone(), body), state);
-        let body = match tokio::time::timeout(store.body_timeout(), buffered).await {
-            Ok(body) => body.map_err(|rejection| body_rejection(&store, rejection))?,
+        // Read here rather than by axum's `Bytes`, which needs the parts and so a
+        // copy of them; under axum's body limit all the same.
+        let (parts, body) = request.with_limited_body().into_parts();
+        let body = match tokio::time::timeout(store.body_timeout(), body.collect()).await {
+            Ok(body) => body
+                .map_err(|error| body_failed(&store, &error))?
+                .to_bytes(),
             Err(_elapsed) => {
                 let detail = format!(
                     "the request body did not arrive within {} ms; nothing was claimed, send it again",
@@ -208,15 +250,61 @@ where
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Buffered<DB: Backend, T, const DOC: u8 = 0> {
-    request: IdempotentRequest<DB>,
+    call: Call<DB>,
     value: T,
 }
 
 impl<DB: Backend, T, const DOC: u8> Buffered<DB, T, DOC> {
-    pub fn into_parts(self) -> (IdempotentRequest<DB>, T) {
-        (self.request, self.value)
+    pub fn into_parts(self) -> (Call<DB>, T) {
+        (self.call, self.value)
     }
 }
+
+/// What a rewritten handler runs under the engine: the request's key, identity
+/// and body, its parts having gone on to the handler's last extractor.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Call<DB: Backend> {
+    store: Idempotency<DB>,
+    key: Option<IdempotencyKey>,
+    seen: Seen,
+    body: Bytes,
+    mark: Option<InHandler>,
+}
+
+impl<DB: Backend> Call<DB> {
+    /// The mark the handler's parameters left on the request.
+    pub fn in_handler(&self) -> Option<InHandler> {
+        self.mark.clone()
+    }
+
+    /// See [`IdempotentRequest::run`]. A replay kept in memory is answered at
+    /// once; anything else runs in a future of its own, which keeps the
+    /// handler's future small for axum to move.
+    pub fn run<F>(self, scope: &str, options: Options, handler: F) -> Running
+    where
+        F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
+    {
+        let mut request = self.seen.identify(self.key, &self.body, scope, options);
+        match self.store.replay_kept(&mut request, options) {
+            Some(response) => Either::Left(std::future::ready(response.map(Body::from))),
+            None => {
+                let store = self.store;
+                Either::Right(Box::pin(async move {
+                    store
+                        .claim_and_run(request, options, handler)
+                        .await
+                        .map(Body::from)
+                }))
+            }
+        }
+    }
+}
+
+/// What [`Call::run`] returns.
+#[doc(hidden)]
+pub type Running =
+    Either<std::future::Ready<Response>, Pin<Box<dyn Future<Output = Response> + Send>>>;
 
 /// What a handler rewritten by `#[idempotent]` returns: the response, and in its
 /// type the handler's own return type `O`, for documentation generators to read
@@ -275,15 +363,10 @@ pub struct InHandler {
 }
 
 impl InHandler {
-    /// The mark on `request`, if its handler's parameters set one.
-    pub fn of<DB: Backend>(request: &IdempotentRequest<DB>) -> Option<Self> {
-        request.parts.extensions.get::<Self>().cloned()
-    }
-
     fn enter<DB: Backend>(extensions: &mut http::Extensions, store: &Idempotency<DB>) {
         if extensions.get::<Self>().is_none() {
             extensions.insert(Self {
-                problem_base: store.problem_base().into(),
+                problem_base: Arc::clone(&store.inner.problem_base),
                 txs: Arc::new(AtomicUsize::new(0)),
             });
         }
@@ -375,7 +458,7 @@ pub struct Handed<DB: Backend> {
 }
 
 impl<DB: Backend> Handed<DB> {
-    /// `marked`: what [`InHandler::of`] found on the request.
+    /// `marked`: what [`Call::in_handler`] found on the request.
     pub fn new(tx: Tx<DB>, scope: String, marked: Option<InHandler>) -> Self {
         Self {
             tx,
@@ -458,12 +541,23 @@ where
             request.extensions_mut(),
             &Idempotency::<DB>::from_ref(state),
         );
-        let request = IdempotentRequest::<DB>::from_request(request, state).await?;
-        let copy = Request::from_parts(request.parts.clone(), Body::from(request.body.clone()));
-        let value = T::from_request(copy, state)
+        let IdempotentRequest {
+            store,
+            key,
+            parts,
+            body,
+        } = IdempotentRequest::<DB>::from_request(request, state).await?;
+        let call = Call {
+            store,
+            key,
+            seen: Seen::of(&parts),
+            mark: parts.extensions.get::<InHandler>().cloned(),
+            body: body.clone(),
+        };
+        let value = T::from_request(Request::from_parts(parts, Body::from(body)), state)
             .await
             .map_err(IntoResponse::into_response)?;
-        Ok(Self { request, value })
+        Ok(Self { call, value })
     }
 }
 
@@ -508,11 +602,17 @@ pub fn problem_response<DB: Backend>(
     store.problem(problem, detail).map(Body::from)
 }
 
-fn body_rejection<DB: Backend>(store: &Idempotency<DB>, rejection: BytesRejection) -> Response {
-    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        let detail = "the request body is larger than this endpoint accepts";
-        problem_response(store, Problem::PayloadTooLarge, detail)
-    } else {
-        rejection.into_response()
+/// A body over axum's limit is 413 `payload-too-large`; any other failure to read
+/// it is answered as axum's `Bytes` answers it.
+fn body_failed<DB: Backend>(store: &Idempotency<DB>, error: &axum::Error) -> Response {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = cause {
+        if error.is::<http_body_util::LengthLimitError>() {
+            let detail = "the request body is larger than this endpoint accepts";
+            return problem_response(store, Problem::PayloadTooLarge, detail);
+        }
+        cause = error.source();
     }
+    let detail = format!("Failed to buffer the request body: {error}");
+    (StatusCode::BAD_REQUEST, detail).into_response()
 }

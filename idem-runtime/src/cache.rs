@@ -176,6 +176,14 @@ impl ReplayCache {
         }
     }
 
+    /// The entry for `digest` if one is kept and still trusted, without waiting
+    /// for a request of this process that is looking the key up.
+    pub(crate) fn kept(&self, digest: &[u8; 32]) -> Option<Arc<Entry>> {
+        self.entries
+            .get(digest)
+            .filter(|entry| Instant::now() < entry.until && entry.epoch == self.epoch())
+    }
+
     /// The current epoch, to be read before the database is.
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)

@@ -289,9 +289,10 @@ impl<DB: Backend> Idempotency<DB> {
     /// 422. Without a key the handler runs in a plain transaction (or, if
     /// `options.is_required()`, the answer is 400 `missing-key`).
     ///
-    /// The work runs in its own task: if the caller's future is dropped (the client
-    /// went away), it still ends with a commit, or with a rollback and the key
-    /// released. A handler still running when its `lock` runs out is dropped and
+    /// A claim and what follows it run in a task of their own: if the caller's
+    /// future is dropped (the client went away), it still ends with a commit, or
+    /// with a rollback and the key released. (A replay of a completed key this
+    /// store keeps in memory claims nothing and is answered at once.) A handler still running when its `lock` runs out is dropped and
     /// rolled back.
     ///
     /// Every failure is answered with a problem+json response (see [`Problem`]); the
@@ -333,6 +334,42 @@ impl<DB: Backend> Idempotency<DB> {
     /// ```
     pub async fn execute<F, B>(
         &self,
+        request: RequestIdentity,
+        options: Options,
+        handler: F,
+    ) -> Response<Bytes>
+    where
+        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let mut request = request;
+        match self.replay_kept(&mut request, options) {
+            Some(response) => response,
+            None => self.claim_and_run(request, options, handler).await,
+        }
+    }
+
+    /// The answer to `request` when this process keeps its key's completed
+    /// record, given at once: nothing is claimed, so there is no task to spawn and
+    /// nothing a disconnect could cut short. `None` leaves `request` as it was.
+    pub(crate) fn replay_kept(
+        &self,
+        request: &mut RequestIdentity,
+        options: Options,
+    ) -> Option<Response<Bytes>> {
+        // A store shutting down answers as `claim_and_run` does.
+        let running = self.inner.lifecycle.enter()?;
+        let (outcome, response) = self.kept_answer(request, options)?;
+        drop(running);
+        let endpoint = endpoint_of(request);
+        Some(answered(&span_of(request), outcome, response, &endpoint))
+    }
+
+    /// [`execute`](Self::execute) past the replay cache: claims and executes in a
+    /// task of its own, or answers from the table.
+    pub(crate) async fn claim_and_run<F, B>(
+        &self,
         mut request: RequestIdentity,
         options: Options,
         handler: F,
@@ -342,20 +379,8 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        // One span a request, at DEBUG as tower-http's are; only what an operator
-        // must act on (takeovers, lost leases, store errors) is logged above it.
-        let span = tracing::debug_span!(
-            "idem",
-            method = %request.method,
-            path = %request.path,
-            key = request.key.as_ref().map(IdempotencyKey::as_str),
-            outcome = tracing::field::Empty,
-            status = tracing::field::Empty,
-        );
-        let endpoint = request
-            .endpoint
-            .take()
-            .unwrap_or_else(|| request.method.to_string());
+        let span = span_of(&request);
+        let endpoint = endpoint_of(&mut request);
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
         let Some(running) = self.inner.lifecycle.enter() else {
@@ -370,15 +395,9 @@ impl<DB: Backend> Idempotency<DB> {
         // task would otherwise take by copy through every frame of `spawn`.
         let task = tokio::spawn(Box::pin(
             async move {
-                let (outcome, mut response) = store.run(request, options, handler, &label).await;
+                let (outcome, response) = store.run(request, options, handler, &label).await;
                 drop(running);
-                let span = tracing::Span::current();
-                span.record("outcome", outcome.as_str());
-                span.record("status", response.status().as_u16());
-                tracing::debug!("idempotent request answered");
-                metrics::request(outcome.as_str(), &label);
-                response.extensions_mut().insert(outcome);
-                response
+                answered(&tracing::Span::current(), outcome, response, &label)
             }
             .instrument(span),
         ));
@@ -395,6 +414,41 @@ impl<DB: Backend> Idempotency<DB> {
                 metrics::request(Outcome::StoreFailed.as_str(), &endpoint);
                 response
             }
+        }
+    }
+
+    /// The answer the replay cache holds for `request`, when the engine would give
+    /// it from there anyway (as `attempt` does); never waits.
+    fn kept_answer(
+        &self,
+        request: &RequestIdentity,
+        options: Options,
+    ) -> Option<(Outcome, Response<Bytes>)> {
+        let cache = self.inner.replay_cache.as_ref()?;
+        let key = request.key.as_ref()?;
+        let fingerprint = request.fingerprint.as_ref().ok()?;
+        options.check().ok()?;
+        let id = self.identity(request, key, fingerprint);
+        match self.decide(Some(&cache.kept(&id.digest)?.found), &id) {
+            Decision::Answer(outcome, response) => Some((outcome, response)),
+            Decision::Claim { .. } | Decision::InFlight => None,
+        }
+    }
+
+    fn identity<'a>(
+        &self,
+        request: &'a RequestIdentity,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a [u8; 32],
+    ) -> Identity<'a> {
+        Identity {
+            scope: &request.scope,
+            key: key.as_str(),
+            method: request.method.as_str(),
+            path: &request.path,
+            content_type: &request.content_type,
+            fingerprint,
+            digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
         }
     }
 
@@ -438,15 +492,7 @@ impl<DB: Backend> Idempotency<DB> {
                 );
             }
         };
-        let id = Identity {
-            scope: &request.scope,
-            key: key.as_str(),
-            method: request.method.as_str(),
-            path: &request.path,
-            content_type: &request.content_type,
-            fingerprint,
-            digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
-        };
+        let id = self.identity(&request, key, fingerprint);
         let signal = signal_of(&id.digest);
         let wait = options.wait_duration();
         // Subscribed before the first look, so an announcement between a look and
@@ -1174,6 +1220,44 @@ impl HeldKey {
 
 /// A fresh lease token. Random, not a counter: a row deleted and claimed again must
 /// never hand an old executor's token to a new one.
+/// One span a request, at DEBUG as tower-http's are; only what an operator must
+/// act on (takeovers, lost leases, store errors) is logged above it.
+fn span_of(request: &RequestIdentity) -> tracing::Span {
+    tracing::debug_span!(
+        "idem",
+        method = %request.method,
+        path = %request.path,
+        key = request.key.as_ref().map(IdempotencyKey::as_str),
+        outcome = tracing::field::Empty,
+        status = tracing::field::Empty,
+    )
+}
+
+/// The endpoint's label in metrics: its route, else its method.
+fn endpoint_of(request: &mut RequestIdentity) -> String {
+    request
+        .endpoint
+        .take()
+        .unwrap_or_else(|| request.method.to_string())
+}
+
+/// Notes `outcome` on the request's `span`, its metric and the response.
+fn answered(
+    span: &tracing::Span,
+    outcome: Outcome,
+    mut response: Response<Bytes>,
+    endpoint: &str,
+) -> Response<Bytes> {
+    if !span.is_disabled() {
+        span.record("outcome", outcome.as_str());
+        span.record("status", response.status().as_u16());
+        span.in_scope(|| tracing::debug!("idempotent request answered"));
+    }
+    metrics::request(outcome.as_str(), endpoint);
+    response.extensions_mut().insert(outcome);
+    response
+}
+
 fn new_lease() -> i64 {
     i64::from_ne_bytes(random_u64().to_ne_bytes())
 }

@@ -60,7 +60,7 @@ pub struct Idempotency<DB: Backend> {
 pub(crate) struct Inner<DB: Backend> {
     pub(crate) pool: Pool<DB>,
     pub(crate) table: Box<str>,
-    pub(crate) problem_base: Box<str>,
+    pub(crate) problem_base: Arc<str>,
     pub(crate) max_response_bytes: usize,
     pub(crate) body_timeout: Duration,
     pub(crate) partitioned: bool,
@@ -368,7 +368,7 @@ impl<DB: Backend> Builder<DB> {
             inner: Arc::new(Inner {
                 pool: self.pool,
                 table: self.table,
-                problem_base: self.problem_base,
+                problem_base: self.problem_base.into(),
                 max_response_bytes: self.max_response_bytes,
                 body_timeout: self.body_timeout,
                 partitioned: self.partitioned,

@@ -292,8 +292,8 @@ impl<DB: Backend> Idempotency<DB> {
     /// A claim and what follows it run in a task of their own: if the caller's
     /// future is dropped (the client went away), it still ends with a commit, or
     /// with a rollback and the key released. (A replay of a completed key this
-    /// store keeps in memory claims nothing and is answered at once.) A handler still running when its `lock` runs out is dropped and
-    /// rolled back.
+    /// store keeps in memory claims nothing and is answered at once.) A handler
+    /// still running when its `lock` runs out is dropped and rolled back.
     ///
     /// Every failure is answered with a problem+json response (see [`Problem`]); the
     /// [`Outcome`] extension of the response says what happened.
@@ -334,7 +334,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// ```
     pub async fn execute<F, B>(
         &self,
-        request: RequestIdentity,
+        mut request: RequestIdentity,
         options: Options,
         handler: F,
     ) -> Response<Bytes>
@@ -343,7 +343,6 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let mut request = request;
         match self.replay_kept(&mut request, options) {
             Some(response) => response,
             None => self.claim_and_run(request, options, handler).await,

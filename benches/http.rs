@@ -2072,7 +2072,9 @@ end
 /// answer from a handler with the same extractors and no idem), both loaded by
 /// wrk (one thread, `--connections`): at these rates the bench's own client
 /// would be what is measured. Both servers run throughout; rounds alternate
-/// which one goes first. Replays cycle over 1000 keys completed beforehand.
+/// which one goes first. Replays cycle over 1000 keys completed beforehand (past
+/// the store's 30 s `replay_cache_refresh`, each is read from the table once more,
+/// in whichever round that lands).
 async fn ceiling(settings: &Settings, target: &Target) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let script = dir.join("idem-bench-wrk.lua");

@@ -7,9 +7,10 @@
 //! A fourth database joins by keeping the contract (`docs/contract.md`) the way the
 //! three do; this list is what that took for them.
 //!
-//! 1. A module `<name>.rs` behind a cargo feature `<name>` (in `idem-runtime` and
-//!    the `idem` facade), implementing [`sealed::Driver`]. All of its SQL lives in
-//!    that module, built once per store in `IdemSql`.
+//! 1. A module `<name>.rs` behind a cargo feature `<name>` (in `idem-runtime`, in
+//!    `idem-macros`, whose `DATABASES` lists the sqlx type, and in the `idem-axum`
+//!    facade), implementing [`enabled::Driver`]. All of its SQL lives in that
+//!    module, built once per store in `IdemSql`.
 //! 2. `migrations/<name>/0001_*.sql`, and `idem_migrations` naming how `migrate()`
 //!    tells each file is in place ([`Applied`]); an upgrade is a new file, never an
 //!    edit of a shipped one.
@@ -47,9 +48,9 @@ use crate::tx::Adopted;
 /// The trait is sealed; its methods are the engine's and not part of the API. A
 /// database it is not implemented for is reported through its sealed supertrait's
 /// message, which names the feature to enable.
-pub trait Backend: Database + sealed::Driver {}
+pub trait Backend: Database + enabled::Driver {}
 
-impl<DB: Database + sealed::Driver> Backend for DB {}
+impl<DB: Database + enabled::Driver> Backend for DB {}
 
 /// The request identity the engine hands to a backend.
 #[derive(Debug)]
@@ -268,7 +269,7 @@ impl<DB: Database> Opened<'_, DB> {
 
 /// Reads (scope, key) outside any transaction, and claims it only if absent: one
 /// round trip for a key that is stored, an extra one for a new key.
-pub(crate) async fn look_then_claim<'c, DB: sealed::Driver>(
+pub(crate) async fn look_then_claim<'c, DB: enabled::Driver>(
     conn: &'c mut DB::Connection,
     sql: &'c DB::IdemSql,
     id: &'c Identity<'c>,
@@ -352,7 +353,9 @@ pub struct Recorded<'a> {
     pub ttl_ms: i64,
 }
 
-pub mod sealed {
+/// Sealed (nothing outside this crate can name it), and named for what an error
+/// about it means: the drivers this build of idem-axum has enabled.
+pub mod enabled {
     use super::*;
 
     /// What the engine needs of one database: its SQL for a table (built once per

@@ -12,7 +12,7 @@ use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row as _, Transact
 use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::key::to_hex;

@@ -14,8 +14,8 @@ use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, look_then_claim,
-    sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
+    look_then_claim,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 use crate::partitions::{

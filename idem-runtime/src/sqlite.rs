@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction
 use sqlx_core::transaction::TransactionManager as _;
 
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, sealed::Driver,
+    Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
 

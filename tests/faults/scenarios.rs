@@ -1032,7 +1032,7 @@ pub async fn restart(db: &Fresh) -> Row {
         sent.spawn(async move {
             let _permit = gate.acquire_owned().await;
             let key = format!("restart-{k}");
-            let headers = effect_headers(&key, &[("x-sleep-ms", 100)]);
+            let headers = effect_headers(&key, &[("x-sleep-ms", 300)]);
             // Sent once first, to see what the outage answers; then retried.
             let first = post(&client(1), &addr, "/effects", &headers, key.clone()).await;
             let retried = match &first {
@@ -1044,8 +1044,10 @@ pub async fn restart(db: &Fresh) -> Row {
     }
     // Restarted once the load flows: a key of the second wave has reached its
     // handler, so the pool is connected and the next 35 keys, four at a time and
-    // 100 ms each inside a transaction, are still to run. A fixed pause met no
-    // request when the app's first connections were slow to open.
+    // 300 ms each inside a transaction (about 2.6 s), are still to run. A fixed
+    // pause met no request when the app's first connections were slow to open;
+    // at 100 ms a key (0.9 s in all) every request once finished before
+    // `pg_ctlcluster restart` reached the sessions.
     if let Err(error) = await_started(&a.addr, "restart-4").await {
         row.problems.push(error);
     }

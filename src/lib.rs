@@ -277,7 +277,8 @@
 /// non-boolean `required`. An attribute error comes alone: the function is still
 /// emitted as written, so its uses report nothing more. A handler on a database
 /// this build lacks (`Tx<Postgres>` without the `postgres` feature) is one error
-/// on that type, naming the feature.
+/// on that type, naming the feature; the app gets one more where it builds the
+/// store (`Idempotency::new`), none where it only names `Idempotency<Postgres>`.
 ///
 /// The router state is checked where the route is added, by rustc, which reports
 /// it there: a state without the store is a mismatch between `MethodRouter<YourState>`

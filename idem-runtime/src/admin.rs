@@ -81,16 +81,16 @@ impl<DB: Backend> Idempotency<DB> {
     /// # Ok(()) }
     /// ```
     pub async fn forget(&self, scope: &str, key: &str) -> Result<bool, sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
-        let deleted = DB::idem_forget(&mut conn, &self.inner.sql, scope, key).await?;
-        if let Some(cache) = &self.inner.replay_cache {
-            cache.forget(&key_digest(&self.inner.table, scope, key));
+        let mut conn = self.inner().pool.acquire().await?;
+        let deleted = DB::idem_forget(&mut conn, &self.inner().sql, scope, key).await?;
+        if let Some(cache) = &self.inner().replay_cache {
+            cache.forget(&key_digest(&self.inner().table, scope, key));
         }
         Ok(deleted)
     }
 
     async fn run_inspect(&self, query: &Query<'_>) -> Result<Vec<KeyRecord>, sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
-        DB::idem_inspect(&mut conn, &self.inner.sql, query).await
+        let mut conn = self.inner().pool.acquire().await?;
+        DB::idem_inspect(&mut conn, &self.inner().sql, query).await
     }
 }

@@ -366,7 +366,7 @@ impl InHandler {
     fn enter<DB: Backend>(extensions: &mut http::Extensions, store: &Idempotency<DB>) {
         if extensions.get::<Self>().is_none() {
             extensions.insert(Self {
-                problem_base: Arc::clone(&store.inner.problem_base),
+                problem_base: Arc::clone(&store.inner().problem_base),
                 txs: Arc::new(AtomicUsize::new(0)),
             });
         }

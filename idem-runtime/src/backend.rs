@@ -46,8 +46,17 @@ use crate::tx::Adopted;
 /// and what each needs from its configuration in `docs/deployment.md`.
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API. A
-/// database it is not implemented for is reported through its sealed supertrait's
-/// message, which names the feature to enable.
+/// database it is not implemented for is reported with the feature to enable.
+// The same text as `enabled::Driver`'s: rustc reports this bound where a store is
+// built (`Idempotency::new`), the driver's where a bound on it fails inside idem.
+#[diagnostic::on_unimplemented(
+    message = "idem-axum was built without `{Self}`: enable its feature",
+    label = "a database idem-axum was not built for",
+    note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
+            (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx. \
+            idem-axum 0.1 is built on sqlx 0.9 and axum 0.8: a `{Self}` of another sqlx \
+            version is another type (`cargo tree -d` lists duplicates)"
+)]
 pub trait Backend: Database + enabled::Driver {}
 
 impl<DB: Database + enabled::Driver> Backend for DB {}

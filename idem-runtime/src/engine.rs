@@ -358,7 +358,7 @@ impl<DB: Backend> Idempotency<DB> {
         options: Options,
     ) -> Option<Response<Bytes>> {
         // A store shutting down answers as `claim_and_run` does.
-        let running = self.inner.lifecycle.enter()?;
+        let running = self.inner().lifecycle.enter()?;
         let (outcome, response) = self.kept_answer(request, options)?;
         drop(running);
         let endpoint = endpoint_of(request);
@@ -382,7 +382,7 @@ impl<DB: Backend> Idempotency<DB> {
         let endpoint = endpoint_of(&mut request);
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
-        let Some(running) = self.inner.lifecycle.enter() else {
+        let Some(running) = self.inner().lifecycle.enter() else {
             let mut response = self.shutting_down();
             response.extensions_mut().insert(Outcome::ShuttingDown);
             metrics::request(Outcome::ShuttingDown.as_str(), &endpoint);
@@ -423,7 +423,7 @@ impl<DB: Backend> Idempotency<DB> {
         request: &RequestIdentity,
         options: Options,
     ) -> Option<(Outcome, Response<Bytes>)> {
-        let cache = self.inner.replay_cache.as_ref()?;
+        let cache = self.inner().replay_cache.as_ref()?;
         let key = request.key.as_ref()?;
         let fingerprint = request.fingerprint.as_ref().ok()?;
         options.check().ok()?;
@@ -447,7 +447,7 @@ impl<DB: Backend> Idempotency<DB> {
             path: &request.path,
             content_type: &request.content_type,
             fingerprint,
-            digest: key_digest(&self.inner.table, &request.scope, key.as_str()),
+            digest: key_digest(&self.inner().table, &request.scope, key.as_str()),
         }
     }
 
@@ -476,7 +476,7 @@ impl<DB: Backend> Idempotency<DB> {
                 let detail = "this endpoint requires an Idempotency-Key header";
                 return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
             }
-            return match self.inner.pool.acquire().await {
+            return match self.inner().pool.acquire().await {
                 Ok(conn) => self.run_unkeyed(conn, handler, &options).await,
                 Err(error) => self.store_failed(&error),
             };
@@ -499,16 +499,16 @@ impl<DB: Backend> Idempotency<DB> {
         let mut waiting = (!wait.is_zero()).then(|| {
             // Through a transaction pooler LISTEN cannot work: only a pool of its
             // own carries it; without one, waiters look again on their own.
-            let listen = match &self.inner.listen_pool {
+            let listen = match &self.inner().listen_pool {
                 Some(pool) => Some(pool),
-                None => (!self.inner.transaction_pooled).then_some(&self.inner.pool),
+                None => (!self.inner().transaction_pooled).then_some(&self.inner().pool),
             };
             if let Some(pool) = listen
-                && let Some((signals, stop)) = self.inner.signals.watch_once()
+                && let Some((signals, stop)) = self.inner().signals.watch_once()
             {
                 DB::idem_watch(pool, signals, stop);
             }
-            (self.inner.signals.subscribe(), TokioInstant::now() + wait)
+            (self.inner().signals.subscribe(), TokioInstant::now() + wait)
         });
         let mut pause = FIRST_PAUSE;
         let mut handler = handler;
@@ -529,7 +529,7 @@ impl<DB: Backend> Idempotency<DB> {
             match &mut waiting {
                 // A draining store's waiters stop waiting: their retry goes to an
                 // instance that stays up.
-                _ if self.inner.lifecycle.is_draining() => {
+                _ if self.inner().lifecycle.is_draining() => {
                     return (Outcome::ShuttingDown, self.shutting_down());
                 }
                 Some((receiver, deadline)) if TokioInstant::now() < *deadline => {
@@ -560,7 +560,7 @@ impl<DB: Backend> Idempotency<DB> {
         B::Error: Into<BoxError>,
     {
         let began = Instant::now();
-        let cache = self.inner.replay_cache.as_ref();
+        let cache = self.inner().replay_cache.as_ref();
         // When the database is read or claimed from, for what the cache keeps.
         let read = (began, cache.map_or(0, ReplayCache::epoch));
         // A completed key this process keeps is answered here; one it does not is
@@ -577,11 +577,11 @@ impl<DB: Backend> Idempotency<DB> {
                 Looked::Miss(miss) => filler = miss,
             }
         }
-        let mut conn = match self.inner.pool.acquire().await {
+        let mut conn = match self.inner().pool.acquire().await {
             Ok(conn) => conn,
             Err(error) => return self.store_failed(&error).into(),
         };
-        let sql = &self.inner.sql;
+        let sql = &self.inner().sql;
         let lease = new_lease();
         let claim = Claim {
             lease,
@@ -654,8 +654,8 @@ impl<DB: Backend> Idempotency<DB> {
         let open = Open::new(conn, adopted);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
-        let limit = Some(self.inner.max_response_bytes);
-        let cancelled = self.inner.lifecycle.cancelled();
+        let limit = Some(self.inner().max_response_bytes);
+        let cancelled = self.inner().lifecycle.cancelled();
         let (ran, open) = run_handler(open, handler, Some(lock), limit, lock, cancelled).await;
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
@@ -764,7 +764,7 @@ impl<DB: Backend> Idempotency<DB> {
             conn.close_on_drop();
         }
         if waits {
-            self.inner.signals.publish(signal);
+            self.inner().signals.publish(signal);
         }
         Step::Done(outcome, response)
     }
@@ -788,7 +788,7 @@ impl<DB: Backend> Idempotency<DB> {
             while Instant::now() < until {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(250));
-                let mut conn = match store.inner.pool.acquire().await {
+                let mut conn = match store.inner().pool.acquire().await {
                     Ok(conn) => conn,
                     Err(error) => {
                         tracing::warn!(%error, "could not finish the claim");
@@ -796,7 +796,7 @@ impl<DB: Backend> Idempotency<DB> {
                     }
                 };
                 let id = held.id();
-                match DB::idem_finish(&mut conn, &store.inner.sql, &id, lease, false).await {
+                match DB::idem_finish(&mut conn, &store.inner().sql, &id, lease, false).await {
                     Ok(()) => return,
                     Err(error) if DB::idem_finish_again(&error) => {}
                     Err(error) => {
@@ -825,7 +825,7 @@ impl<DB: Backend> Idempotency<DB> {
         filler: Option<Filler<'_>>,
         lock: Duration,
     ) -> Step<F> {
-        let sql = &self.inner.sql;
+        let sql = &self.inner().sql;
         if let Some(error) = error {
             if let Some(ttl_ms) = repair {
                 match DB::idem_repair(conn, sql, &error, ttl_ms).await {
@@ -844,7 +844,7 @@ impl<DB: Backend> Idempotency<DB> {
             }
             return self.store_failed(&error).into();
         }
-        let cache = self.inner.replay_cache.as_ref();
+        let cache = self.inner().replay_cache.as_ref();
         let read = (Instant::now(), cache.map_or(0, ReplayCache::epoch));
         match DB::idem_lookup(conn, sql, id).await {
             Ok(found) => {
@@ -876,7 +876,7 @@ impl<DB: Backend> Idempotency<DB> {
             Err(error) => return self.store_failed(&error),
         };
         let open = Open::new(conn, adopted);
-        let cancelled = self.inner.lifecycle.cancelled();
+        let cancelled = self.inner().lifecycle.cancelled();
         let wait = options.lock_duration();
         let (ran, open) = run_handler(open, handler, None, None, wait, cancelled).await;
         let Some(open) = open else {
@@ -958,15 +958,15 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     pub(crate) fn problem(&self, problem: Problem, detail: &str) -> Response<Bytes> {
-        problem.to_response(&self.inner.problem_base, detail)
+        problem.to_response(&self.inner().problem_base, detail)
     }
 
     /// 409 `in-flight`, with `Retry-After` from what is left of the holder's lock:
     /// by then the key is completed or free. One second when that is unknown.
     async fn in_flight(&self, id: &Identity<'_>, options: &Options) -> Response<Bytes> {
-        let left = match self.inner.pool.acquire().await {
+        let left = match self.inner().pool.acquire().await {
             Ok(mut conn) => {
-                DB::idem_lock_left(&mut conn, &self.inner.sql, id, options.lock_millis()).await
+                DB::idem_lock_left(&mut conn, &self.inner().sql, id, options.lock_millis()).await
             }
             Err(error) => Err(error),
         };
@@ -1026,7 +1026,7 @@ impl<DB: Backend> Idempotency<DB> {
         tracing::warn!(%error, "idempotency store failed");
         // The database may have failed over to a replica that lacks commits this
         // process kept: its retries must read the table again.
-        if let Some(cache) = &self.inner.replay_cache {
+        if let Some(cache) = &self.inner().replay_cache {
             cache.distrust();
         }
         // SERIALIZABLE (or REPEATABLE READ) refused the transaction: it committed
@@ -1051,12 +1051,12 @@ impl<DB: Backend> Idempotency<DB> {
             Ran::Done(response) => response,
             Ran::TooLarge => {
                 tracing::error!(
-                    limit = self.inner.max_response_bytes,
+                    limit = self.inner().max_response_bytes,
                     "response too large to store; rolled back"
                 );
                 let detail = format!(
                     "the response exceeded the {} bytes the idempotency store keeps, so the request was rolled back",
-                    self.inner.max_response_bytes
+                    self.inner().max_response_bytes
                 );
                 self.problem(Problem::ResponseTooLarge, &detail)
             }

@@ -1124,7 +1124,7 @@ mod tests {
             };
             {
                 let mut conn = pool.acquire().await.expect("connection");
-                let lost = Postgres::idem_claim(&mut conn, &store.inner.sql, &id, claim)
+                let lost = Postgres::idem_claim(&mut conn, &store.inner().sql, &id, claim)
                     .await
                     .expect("claim")
                     .is_none();
@@ -1165,9 +1165,9 @@ mod tests {
         let first = Idempotency::new(pool.clone());
         first.migrate().await.expect("migrate");
         let second = Idempotency::new(pool.clone());
-        let (signals, stop) = second.inner.signals.watch_once().expect("first watch");
+        let (signals, stop) = second.inner().signals.watch_once().expect("first watch");
         Postgres::idem_watch(&pool, signals, stop);
-        let mut heard = second.inner.signals.subscribe();
+        let mut heard = second.inner().signals.subscribe();
 
         // The relay may not be listening yet when the first completion commits:
         // complete keys until one is heard.

@@ -53,8 +53,24 @@ pub const DEFAULT_REPLAY_CACHE_REFRESH: Duration = Duration::from_secs(30);
 /// # Ok(()) }
 /// # }
 /// ```
-pub struct Idempotency<DB: Backend> {
-    pub(crate) inner: Arc<Inner<DB>>,
+pub struct Idempotency<DB> {
+    built: Arc<dyn Built<DB>>,
+}
+
+/// A built store's state, behind a trait object so that the type
+/// `Idempotency<Postgres>` can be named (in an app's state, a router's type)
+/// without idem-axum's `postgres` feature: only building one needs it, and a
+/// build without it is reported there, once, with the fix.
+trait Built<DB>: Send + Sync {
+    fn inner(&self) -> &Inner<DB>
+    where
+        DB: Backend;
+}
+
+impl<DB: Backend> Built<DB> for Inner<DB> {
+    fn inner(&self) -> &Inner<DB> {
+        self
+    }
 }
 
 pub(crate) struct Inner<DB: Backend> {
@@ -77,10 +93,10 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) failing_records: std::sync::atomic::AtomicBool,
 }
 
-impl<DB: Backend> Clone for Idempotency<DB> {
+impl<DB> Clone for Idempotency<DB> {
     fn clone(&self) -> Self {
         Self {
-            inner: Arc::clone(&self.inner),
+            built: Arc::clone(&self.built),
         }
     }
 }
@@ -89,19 +105,24 @@ impl<DB: Backend> fmt::Debug for Idempotency<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("backend", &DB::NAME)
-            .field("table", &self.inner.table)
-            .field("problem_base", &self.inner.problem_base)
-            .field("max_response_bytes", &self.inner.max_response_bytes)
-            .field("body_timeout", &self.inner.body_timeout)
+            .field("table", &self.inner().table)
+            .field("problem_base", &self.inner().problem_base)
+            .field("max_response_bytes", &self.inner().max_response_bytes)
+            .field("body_timeout", &self.inner().body_timeout)
             .field(
                 "replay_cache_bytes",
-                &self.inner.replay_cache.as_ref().map(ReplayCache::weight),
+                &self.inner().replay_cache.as_ref().map(ReplayCache::weight),
             )
             .finish_non_exhaustive()
     }
 }
 
 impl<DB: Backend> Idempotency<DB> {
+    /// The store's state.
+    pub(crate) fn inner(&self) -> &Inner<DB> {
+        self.built.inner()
+    }
+
     /// A store on `pool` with the default settings: table `idempotency_keys`,
     /// problem types under `urn:idem:problem:`, responses up to 1 MiB.
     ///
@@ -143,27 +164,27 @@ impl<DB: Backend> Idempotency<DB> {
 
     /// The pool the store (and the handlers' transactions) draw connections from.
     pub fn pool(&self) -> &Pool<DB> {
-        &self.inner.pool
+        &self.inner().pool
     }
 
     /// The key table's name.
     pub fn table(&self) -> &str {
-        &self.inner.table
+        &self.inner().table
     }
 
     /// The base of problem `type` URIs.
     pub fn problem_base(&self) -> &str {
-        &self.inner.problem_base
+        &self.inner().problem_base
     }
 
     /// The largest response body the store keeps for replay.
     pub fn max_response_bytes(&self) -> usize {
-        self.inner.max_response_bytes
+        self.inner().max_response_bytes
     }
 
     /// How long the axum extractor waits for a whole request body.
     pub fn body_timeout(&self) -> Duration {
-        self.inner.body_timeout
+        self.inner().body_timeout
     }
 
     /// The SQL that creates the key table and applies every upgrade since, for this
@@ -180,12 +201,12 @@ impl<DB: Backend> Idempotency<DB> {
     /// # }
     /// ```
     pub fn migration_sql(&self) -> String {
-        migration_sql::<DB>(&self.inner.table, self.inner.partitioned)
+        migration_sql::<DB>(&self.inner().table, self.inner().partitioned)
     }
 
     /// This store's migrations, in order, for its table.
     fn migrations(&self) -> Vec<(String, Applied)> {
-        migrations::<DB>(&self.inner.table, self.inner.partitioned)
+        migrations::<DB>(&self.inner().table, self.inner().partitioned)
     }
 
     /// Makes every record fail (`on`) as if the database had refused it, so that
@@ -193,7 +214,7 @@ impl<DB: Backend> Idempotency<DB> {
     /// a handler wrote outside it.
     #[cfg(feature = "testing")]
     pub(crate) fn fail_records(&self, on: bool) {
-        self.inner
+        self.inner()
             .failing_records
             .store(on, std::sync::atomic::Ordering::SeqCst);
     }
@@ -202,7 +223,7 @@ impl<DB: Backend> Idempotency<DB> {
     pub(crate) fn records_fail(&self) -> bool {
         #[cfg(feature = "testing")]
         return self
-            .inner
+            .inner()
             .failing_records
             .load(std::sync::atomic::Ordering::SeqCst);
         #[cfg(not(feature = "testing"))]
@@ -211,12 +232,12 @@ impl<DB: Backend> Idempotency<DB> {
 
     /// The handle that shuts this store down gracefully: see [`Shutdown`].
     pub fn shutdown(&self) -> Shutdown {
-        Shutdown::new(Arc::clone(&self.inner.lifecycle))
+        Shutdown::new(Arc::clone(&self.inner().lifecycle))
     }
 
     /// Whether the table uses the partitioned layout.
     pub fn is_partitioned(&self) -> bool {
-        self.inner.partitioned
+        self.inner().partitioned
     }
 
     /// Creates the key table and its index if they do not exist, and upgrades a
@@ -233,11 +254,11 @@ impl<DB: Backend> Idempotency<DB> {
     ///
     /// Any database error.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        let mut conn = self.inner.pool.acquire().await?;
+        let mut conn = self.inner().pool.acquire().await?;
         DB::idem_migrate(
             &mut conn,
-            &self.inner.sql,
-            &self.inner.table,
+            &self.inner().sql,
+            &self.inner().table,
             &self.migrations(),
         )
         .await
@@ -365,7 +386,7 @@ impl<DB: Backend> Builder<DB> {
         };
         let sql = DB::idem_sql(&self.table, layout, &self.pool);
         Idempotency {
-            inner: Arc::new(Inner {
+            built: Arc::new(Inner {
                 pool: self.pool,
                 table: self.table,
                 problem_base: self.problem_base.into(),

@@ -119,8 +119,8 @@ impl<DB: Backend> Idempotency<DB> {
         let limit = i64::from(sweep.batch);
         while started.elapsed() < sweep.budget {
             // A connection per batch: between batches the pool is the hot path's.
-            let mut conn = self.inner.pool.acquire().await?;
-            let deleted = DB::idem_sweep(&mut conn, &self.inner.sql, limit).await?;
+            let mut conn = self.inner().pool.acquire().await?;
+            let deleted = DB::idem_sweep(&mut conn, &self.inner().sql, limit).await?;
             drop(conn);
             report.deleted += deleted;
             crate::metrics::swept(deleted);

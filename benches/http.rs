@@ -14,7 +14,10 @@
 //! Each backend is measured on its own, every run in a schema (PostgreSQL), a
 //! database (MySQL/MariaDB) or a file (SQLite, WAL, `synchronous = NORMAL`) of its
 //! own. The cold replays, the peer crate, pgbench and the growth runs exist for
-//! PostgreSQL only so far.
+//! PostgreSQL only so far. PostgreSQL's schemas are open to every role, as `public`
+//! is, so that idem records through its record function (upgrade 4);
+//! `IDEM_BENCH_PRIVATE_SCHEMA=1` closes them, and idem sends the session's restore
+//! and the record as two statements, as before that upgrade.
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
@@ -1637,10 +1640,17 @@ async fn prefill(admin: &PgPool, schema: &str, stored: u64) {
         .expect("analyze");
 }
 
-/// A fresh schema holding the business table, for one run.
+/// A fresh schema holding the business table, for one run. Open to every role, as
+/// the `public` schema is, so that idem records through its record function;
+/// `IDEM_BENCH_PRIVATE_SCHEMA=1` closes it, and idem sends the two statements.
 async fn create_schema(admin: &PgPool, schema: &str) {
+    let open = if std::env::var("IDEM_BENCH_PRIVATE_SCHEMA").is_ok_and(|v| v == "1") {
+        String::new()
+    } else {
+        format!("GRANT USAGE ON SCHEMA {schema} TO PUBLIC; ")
+    };
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE SCHEMA {schema}; SET search_path = {schema}; \
+        "CREATE SCHEMA {schema}; {open}SET search_path = {schema}; \
          CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, note TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL);"
     )))
     .execute(admin)

@@ -324,7 +324,7 @@ fn migration_since_prints_only_what_is_new() {
     let no_db = "sqlite://unused";
     let all = idem(no_db, &["--partitioned", "migration", "postgres"]);
     assert_eq!(all.code, 0, "{}", all.stderr);
-    for version in ["0001", "0002", "0003"] {
+    for version in ["0001", "0002", "0003", "0004"] {
         assert!(
             all.stdout.contains(&format!("-- idem migration {version}")),
             "{}",
@@ -345,6 +345,16 @@ fn migration_since_prints_only_what_is_new() {
         !new.stdout.contains("-- idem migration 0002") && !new.stdout.contains("CREATE TABLE"),
         "{}",
         new.stdout
+    );
+    // Upgrades keep their numbers across layouts: the plain layout has no 3.
+    let plain = idem(no_db, &["migration", "--since", "2", "postgres"]);
+    assert_eq!(plain.code, 0, "{}", plain.stderr);
+    assert!(
+        plain.stdout.contains("-- idem migration 0004")
+            && plain.stdout.contains("FUNCTION idempotency_keys_record")
+            && !plain.stdout.contains("-- idem migration 0003"),
+        "{}",
+        plain.stdout
     );
     let current = idem(no_db, &["migration", "--since", "2", "sqlite"]);
     assert_eq!(current.code, 0);

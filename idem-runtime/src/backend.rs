@@ -309,6 +309,9 @@ pub struct Layout {
 /// One file of `migrations/<backend>/`.
 #[derive(Debug, Clone, Copy)]
 pub struct Migration {
+    /// The number of its file, as upgrades are numbered across a backend's
+    /// layouts: a layout may skip one that is not for it.
+    pub version: u32,
     /// The script, for the default table name.
     pub sql: &'static str,
     /// How `migrate()` tells that the table already has it.
@@ -324,6 +327,8 @@ pub enum Applied {
     TableExists,
     /// It adds this column last: in place once the table has it.
     HasColumn(&'static str),
+    /// PostgreSQL: it creates the table's record function (`<table>_record`).
+    HasRecordFunction,
 }
 
 /// What a record attempt came to.

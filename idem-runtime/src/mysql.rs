@@ -121,10 +121,12 @@ impl Driver for MySql {
     fn idem_migrations(_layout: Layout) -> &'static [Migration] {
         &[
             Migration {
+                version: 1,
                 sql: include_str!("../migrations/mysql/0001_idempotency_keys.sql"),
                 applied: Applied::TableExists,
             },
             Migration {
+                version: 2,
                 sql: include_str!("../migrations/mysql/0002_content_type_and_sizes.sql"),
                 applied: Applied::HasColumn("content_type"),
             },
@@ -505,7 +507,7 @@ async fn apply(
 ) -> Result<(), sqlx::Error> {
     for (script, applied) in scripts {
         let probe = match applied {
-            Applied::Rerun => None,
+            Applied::Rerun | Applied::HasRecordFunction => None,
             Applied::TableExists => Some(
                 sqlx::query_scalar::<_, i64>(
                     "SELECT COUNT(*) FROM information_schema.TABLES \

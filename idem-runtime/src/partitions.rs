@@ -594,6 +594,7 @@ async fn drop_if_empty(
 
 /// Bounds the default partition of a table the first release created.
 pub(crate) const UPGRADE_3: Migration = Migration {
+    version: 3,
     sql: include_str!("../migrations/postgres/partitioned/0003_bounded_default.sql"),
     applied: Applied::Rerun,
 };

@@ -4,7 +4,7 @@
 //! below is all this backend runs.
 
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures_util::future::{Either, select};
 use sqlx::postgres::{PgListener, PgPool};
@@ -96,8 +96,17 @@ fn release_if_locked(also: &str) -> String {
 
 /// Content types in the request's identity; shared by both layouts.
 const UPGRADE_2: Migration = Migration {
+    version: 2,
     sql: include_str!("../migrations/postgres/0002_content_type.sql"),
     applied: Applied::HasColumn("content_type"),
+};
+
+/// The record of a first execution in one statement: see the file. Shared by both
+/// layouts.
+const UPGRADE_4: Migration = Migration {
+    version: 4,
+    sql: include_str!("../migrations/postgres/0004_record_function.sql"),
+    applied: Applied::HasRecordFunction,
 };
 
 /// The savepoint the handler runs after: a handler that catches a database error
@@ -198,26 +207,34 @@ pub struct Sql {
     /// the session lock, releases that when it does.
     still_open: Arc<str>,
     table: Box<str>,
+    /// The statement that restores the session and records in one round trip
+    /// (upgrade 4), once looked up by [`Sql::find_record_function`]; `None` when
+    /// the table has no record function every role may call.
+    record_call: OnceLock<Option<Arc<str>>>,
 }
 
 /// The plain layout's migrations.
 const MIGRATIONS: &[Migration] = &[
     Migration {
+        version: 1,
         sql: include_str!("../migrations/postgres/0001_idempotency_keys.sql"),
         applied: Applied::TableExists,
     },
     UPGRADE_2,
+    UPGRADE_4,
 ];
 
 /// The partitioned layout's. Once its table exists, the first script is skipped: it
 /// would create a default partition again after maintenance retired it.
 const PARTITIONED_MIGRATIONS: &[Migration] = &[
     Migration {
+        version: 1,
         sql: include_str!("../migrations/postgres/partitioned/0001_idempotency_keys.sql"),
         applied: Applied::TableExists,
     },
     UPGRADE_2,
     UPGRADE_3,
+    UPGRADE_4,
 ];
 
 impl Driver for Postgres {
@@ -326,6 +343,7 @@ impl Driver for Postgres {
             }
             .into(),
             table: table.into(),
+            record_call: OnceLock::new(),
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
             claim_new: claiming(format!("{insert} WHERE {new_guard}")),
@@ -398,6 +416,13 @@ impl Driver for Postgres {
                     .fetch_one(&mut *tx)
                     .await?
                 }
+                Applied::HasRecordFunction => {
+                    sqlx::query_scalar("SELECT to_regprocedure($1) IS NOT NULL")
+                        .persistent(false)
+                        .bind(record_function(table))
+                        .fetch_one(&mut *tx)
+                        .await?
+                }
             };
             if !in_place {
                 sqlx::raw_sql(AssertSqlSafe(script.clone()))
@@ -431,6 +456,7 @@ impl Driver for Postgres {
         // A plain INSERT when the key was free: ON CONFLICT's speculative insertion
         // cost ~8% of throughput here. A row committed between the lookup and the
         // advisory lock then shows up as a unique violation: the race was lost.
+        sql.find_record_function(conn).await?;
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         match sql.take(&mut tx, id, claim).await {
             Ok(true) => Ok(Some(tx)),
@@ -466,6 +492,7 @@ impl Driver for Postgres {
         let Some(open) = &sql.open else {
             return look_then_claim(conn, sql, id, claim).await;
         };
+        sql.find_record_function(conn).await?;
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
@@ -538,20 +565,33 @@ impl Driver for Postgres {
         response: Recorded<'c>,
         announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
-        // With the session lock, this lets it go: the transaction lock holds the
-        // key until the commit.
-        let restored = sqlx::query(AssertSqlSafe(sql.restore.clone()))
-            .persistent(sql.prepared)
-            .fetch_one(&mut *conn)
-            .await;
+        // The session comes back as the claim saw it (and, with the session lock,
+        // that lets it go: the transaction lock holds the key until the commit),
+        // then the record; in one statement where the record function can be used.
+        // `Some(-1)`: the transaction is no longer the claim's; `Some(n)`: recorded
+        // `n` rows; `None`: restored, the record is still to send.
+        let restored = match sql.record_call.get() {
+            Some(Some(call)) => {
+                record_in_one(conn, sql, call, id, claim.lease, &response, announce)
+                    .await
+                    .map(Some)
+            }
+            _ => sqlx::query(AssertSqlSafe(sql.restore.clone()))
+                .persistent(sql.prepared)
+                .fetch_one(&mut *conn)
+                .await
+                .and_then(|row| row.try_get::<bool, _>("held"))
+                .map(|held| (!held).then_some(-1)),
+        };
         match restored {
-            Ok(row) => {
-                let held: bool = row.try_get("held")?;
-                if !held && !sql.still_open(conn, id).await? {
+            Ok(Some(recorded)) if recorded >= 0 => return Ok(Written::held(recorded == 1)),
+            Ok(Some(_)) => {
+                if !sql.still_open(conn, id).await? {
                     sql.ended(conn, id, claim.lease, claim.ttl_ms).await?;
                     return Ok(Written::Ended);
                 }
             }
+            Ok(None) => {}
             // The handler caught a database error and answered anyway: what it
             // wrote is void, as PostgreSQL voids an aborted transaction's writes.
             // The claim, taken after the savepoint, went with it, but the key's
@@ -755,6 +795,49 @@ impl Sql {
              {HANDLER_SAVEPOINT}"
         )))
         .await
+    }
+
+    /// Looks, once per store, for the table's record function (upgrade 4) in the
+    /// table's own schema, usable only if every role may call it: a handler may
+    /// have switched to any role before the call, which is resolved before it
+    /// restores the session. Asked before a claim's transaction, on the session as
+    /// the pool gave it, so that the table is the one the claims find.
+    async fn find_record_function(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if self.record_call.get().is_some() {
+            return Ok(());
+        }
+        let query = sqlx::query_scalar::<_, String>(
+            "SELECT format('%I.%I', n.nspname, p.proname) \
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE p.oid = to_regprocedure($1) \
+               AND p.pronamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($2)) \
+               AND has_schema_privilege('public', n.oid, 'USAGE') \
+               AND has_function_privilege('public', p.oid, 'EXECUTE')",
+        )
+        .persistent(false)
+        .bind(record_function(&self.table))
+        .bind(&*self.table);
+        let found = if self.prepared {
+            query.fetch_optional(conn).await?
+        } else {
+            // Through a transaction pooler, not a statement alone.
+            let mut tx = read_committed(conn).await?;
+            query.fetch_optional(&mut *tx).await?
+        };
+        let release = if self.session { "true" } else { "false" };
+        let call = found.map(|function| {
+            format!("SELECT {function}($1, $2, $3, $4, $5, $6, {release}, $7)").into()
+        });
+        if call.is_none() {
+            tracing::info!(
+                table = %self.table,
+                "no record function every role may call (upgrade 4): first executions \
+                 send the session's restore and the record as two statements"
+            );
+        }
+        // Another claim may have looked meanwhile: it found the same.
+        let _ = self.record_call.set(call);
+        Ok(())
     }
 
     /// Whether the session still holds the key's transaction lock, i.e. is still in
@@ -981,6 +1064,37 @@ async fn record(
     Ok(recorded == 1)
 }
 
+/// The record function's name for `table` with its argument types, as
+/// `to_regprocedure` takes it (see upgrade 4).
+fn record_function(table: &str) -> String {
+    format!("{table}_record(text, text, bigint, smallint, bytea, bytea, boolean, text)")
+}
+
+/// Restores the session and records through the table's record function (upgrade
+/// 4), `call`: the rows recorded, or -1 when the transaction is no longer the
+/// claim's (nothing written).
+async fn record_in_one(
+    conn: &mut PgConnection,
+    sql: &Sql,
+    call: &Arc<str>,
+    id: &Identity<'_>,
+    lease: i64,
+    response: &Recorded<'_>,
+    announce: Option<u64>,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(AssertSqlSafe(call.clone()))
+        .persistent(sql.prepared)
+        .bind(id.scope)
+        .bind(id.key)
+        .bind(lease)
+        .bind(i16::try_from(response.status).unwrap_or(i16::MAX))
+        .bind(response.headers)
+        .bind(response.body)
+        .bind(announce.map(|signal| signal.to_string()))
+        .fetch_one(conn)
+        .await
+}
+
 /// The seed of the advisory lock taken with a claim: the key's 64-bit signal; the
 /// SQL mixes in the table's oid. A collision between two live keys only makes one of
 /// them answer 409 for a moment.
@@ -1141,6 +1255,83 @@ mod tests {
                 .await
                 .expect("drop schema");
         }
+    }
+
+    /// The record function (upgrade 4) is used only where every role may call it,
+    /// and is found in the table's schema; its NOTIFY is on idem's channel.
+    #[tokio::test]
+    async fn the_record_function_is_used_where_every_role_may_call_it() {
+        assert!(UPGRADE_4.sql.contains(&format!("pg_notify('{CHANNEL}'")));
+        let Some((url, admin)) = admin().await else {
+            return;
+        };
+        let schema = format!("idem_unit_{}_record", std::process::id());
+        let pool = schema_pool(&url, &admin, &schema).await;
+        let found = |store: Idempotency<Postgres>| {
+            let pool = pool.clone();
+            async move {
+                let mut conn = pool.acquire().await.expect("connection");
+                let sql = &store.inner().sql;
+                sql.find_record_function(&mut conn).await.expect("look-up");
+                sql.record_call.get().cloned().flatten()
+            }
+        };
+        let store = Idempotency::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        // A new schema is closed to other roles, unlike `public`.
+        assert_eq!(found(store).await, None, "private schema");
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT USAGE ON SCHEMA {schema} TO PUBLIC"
+        )))
+        .execute(&admin)
+        .await
+        .expect("grant");
+        let call = found(Idempotency::new(pool.clone())).await;
+        assert_eq!(
+            call.as_deref(),
+            Some(&*format!(
+                "SELECT {schema}.idempotency_keys_record($1, $2, $3, $4, $5, $6, true, $7)"
+            )),
+            "open schema"
+        );
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "REVOKE EXECUTE ON FUNCTION {schema}.{} FROM PUBLIC",
+            record_function("idempotency_keys")
+        )))
+        .execute(&admin)
+        .await
+        .expect("revoke");
+        assert_eq!(
+            found(Idempotency::new(pool.clone())).await,
+            None,
+            "no EXECUTE"
+        );
+
+        // A table migrated before upgrade 4, or by a tool that skipped it.
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP FUNCTION {schema}.{}",
+            record_function("idempotency_keys")
+        )))
+        .execute(&admin)
+        .await
+        .expect("drop");
+        assert_eq!(
+            found(Idempotency::new(pool.clone())).await,
+            None,
+            "no function"
+        );
+        // `migrate()` creates it again.
+        let store = Idempotency::new(pool.clone());
+        store.migrate().await.expect("migrate again");
+        assert!(found(store).await.is_some(), "migrated again");
+
+        pool.close().await;
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .expect("drop schema");
     }
 
     /// `wait` across instances: a completion on one store reaches the waiters of

@@ -38,10 +38,12 @@ impl Driver for Sqlite {
     fn idem_migrations(_layout: Layout) -> &'static [Migration] {
         &[
             Migration {
+                version: 1,
                 sql: include_str!("../migrations/sqlite/0001_idempotency_keys.sql"),
                 applied: Applied::TableExists,
             },
             Migration {
+                version: 2,
                 sql: include_str!("../migrations/sqlite/0002_content_type.sql"),
                 applied: Applied::HasColumn("content_type"),
             },
@@ -116,7 +118,7 @@ impl Driver for Sqlite {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         for (script, applied) in scripts {
             let probe = match applied {
-                Applied::Rerun => None,
+                Applied::Rerun | Applied::HasRecordFunction => None,
                 Applied::TableExists => Some(
                     sqlx::query_scalar::<_, i64>(
                         "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",

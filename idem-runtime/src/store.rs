@@ -207,6 +207,9 @@ impl<DB: Backend> Idempotency<DB> {
     /// This store's migrations, in order, for its table.
     fn migrations(&self) -> Vec<(String, Applied)> {
         migrations::<DB>(&self.inner().table, self.inner().partitioned)
+            .into_iter()
+            .map(|(_, sql, applied)| (sql, applied))
+            .collect()
     }
 
     /// Makes every record fail (`on`) as if the database had refused it, so that
@@ -543,13 +546,15 @@ impl std::error::Error for ConfigError {}
 pub fn migration_sql<DB: Backend>(table: &str, partitioned: bool) -> String {
     migrations::<DB>(table, partitioned)
         .into_iter()
-        .map(|(sql, _)| sql)
+        .map(|(_, sql, _)| sql)
         .collect::<Vec<_>>()
         .join("\n")
 }
 
 /// [`migration_sql`] one migration at a time: each one's version (the number of its
-/// file in the repository's `migrations/<backend>/`, from 1) and its SQL, in order.
+/// file in the repository's `migrations/<backend>/`, from 1; a layout skips the
+/// upgrades that are not for it, as PostgreSQL's plain layout skips 3) and its SQL,
+/// in order.
 /// A migration folder of your own that holds the versions up to `n` needs only
 /// those after it (`idem migration --since n`).
 ///
@@ -567,20 +572,20 @@ pub fn migration_sql<DB: Backend>(table: &str, partitioned: bool) -> String {
 /// # }
 /// ```
 pub fn migration_steps<DB: Backend>(table: &str, partitioned: bool) -> Vec<(u32, String)> {
-    (1..)
-        .zip(migrations::<DB>(table, partitioned))
-        .map(|(version, (sql, _))| (version, sql))
+    migrations::<DB>(table, partitioned)
+        .into_iter()
+        .map(|(version, sql, _)| (version, sql))
         .collect()
 }
 
 /// The backend's migrations, in order, for `table`.
-fn migrations<DB: Backend>(table: &str, partitioned: bool) -> Vec<(String, Applied)> {
+fn migrations<DB: Backend>(table: &str, partitioned: bool) -> Vec<(u32, String, Applied)> {
     let layout = Layout {
         partitioned,
         ..Layout::default()
     };
     DB::idem_migrations(layout)
         .iter()
-        .map(|m| (m.sql.replace(DEFAULT_TABLE, table), m.applied))
+        .map(|m| (m.version, m.sql.replace(DEFAULT_TABLE, table), m.applied))
         .collect()
 }

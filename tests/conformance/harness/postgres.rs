@@ -96,8 +96,18 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
         let pooler = std::env::var("IDEM_TEST_POSTGRES_POOLER_URL").ok();
         let (pool, direct, other_pool, leftover) = match &pooler {
             None => {
+                // Every role may use the schema, as the `public` schema's default
+                // is: records then go through the record function (upgrade 4). A
+                // schema closed to other roles makes idem send the restore and the
+                // record as two statements: `IDEM_TEST_POSTGRES_PRIVATE_SCHEMA=1`.
+                let open_to_all =
+                    if std::env::var("IDEM_TEST_POSTGRES_PRIVATE_SCHEMA").is_ok_and(|v| v == "1") {
+                        String::new()
+                    } else {
+                        format!("GRANT USAGE ON SCHEMA {schema} TO PUBLIC;")
+                    };
                 sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                    "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other"
+                    "CREATE SCHEMA {schema}; CREATE SCHEMA {schema}_other; {open_to_all}"
                 )))
                 .execute(&admin)
                 .await

@@ -1281,12 +1281,17 @@ mod tests {
         // A new schema is closed to other roles, unlike `public`.
         assert_eq!(found(store).await, None, "private schema");
 
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "GRANT USAGE ON SCHEMA {schema} TO PUBLIC"
-        )))
-        .execute(&admin)
-        .await
-        .expect("grant");
+        let admin_runs = |statement: String| {
+            let admin = admin.clone();
+            async move {
+                sqlx::raw_sql(AssertSqlSafe(statement))
+                    .execute(&admin)
+                    .await
+                    .expect("admin statement");
+            }
+        };
+        let function = format!("{schema}.{}", record_function("idempotency_keys"));
+        admin_runs(format!("GRANT USAGE ON SCHEMA {schema} TO PUBLIC")).await;
         let call = found(Idempotency::new(pool.clone())).await;
         assert_eq!(
             call.as_deref(),
@@ -1296,13 +1301,7 @@ mod tests {
             "open schema"
         );
 
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "REVOKE EXECUTE ON FUNCTION {schema}.{} FROM PUBLIC",
-            record_function("idempotency_keys")
-        )))
-        .execute(&admin)
-        .await
-        .expect("revoke");
+        admin_runs(format!("REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC")).await;
         assert_eq!(
             found(Idempotency::new(pool.clone())).await,
             None,
@@ -1310,13 +1309,7 @@ mod tests {
         );
 
         // A table migrated before upgrade 4, or by a tool that skipped it.
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP FUNCTION {schema}.{}",
-            record_function("idempotency_keys")
-        )))
-        .execute(&admin)
-        .await
-        .expect("drop");
+        admin_runs(format!("DROP FUNCTION {function}")).await;
         assert_eq!(
             found(Idempotency::new(pool.clone())).await,
             None,

@@ -30,26 +30,19 @@ CREATE OR REPLACE FUNCTION idempotency_keys_record(
 LANGUAGE plpgsql
 AS $idem$
 DECLARE
+    setting TEXT;
     saved TEXT;
     recorded BIGINT;
 BEGIN
-    -- The authorization first: it decides which roles may be set.
-    saved := nullif(current_setting('idem.session_authorization', true), '');
-    IF saved IS NOT NULL AND current_setting('session_authorization') <> saved THEN
-        PERFORM set_config('session_authorization', saved, false);
-    END IF;
-    saved := nullif(current_setting('idem.role', true), '');
-    IF saved IS NOT NULL AND current_setting('role') <> saved THEN
-        PERFORM set_config('role', saved, false);
-    END IF;
-    saved := nullif(current_setting('idem.search_path', true), '');
-    IF saved IS NOT NULL AND current_setting('search_path') <> saved THEN
-        PERFORM set_config('search_path', saved, false);
-    END IF;
-    saved := nullif(current_setting('idem.default_transaction_read_only', true), '');
-    IF saved IS NOT NULL AND current_setting('default_transaction_read_only') <> saved THEN
-        PERFORM set_config('default_transaction_read_only', saved, false);
-    END IF;
+    -- The authorization first: it decides which roles may be set. A setting is
+    -- set only if it changed: the role and the authorization cost catalog look-ups.
+    FOREACH setting IN ARRAY ARRAY['session_authorization', 'role', 'search_path',
+                                   'default_transaction_read_only'] LOOP
+        saved := nullif(current_setting('idem.' || setting, true), '');
+        IF saved IS NOT NULL AND current_setting(setting) <> saved THEN
+            PERFORM set_config(setting, saved, false);
+        END IF;
+    END LOOP;
     IF coalesce(current_setting('idem.locked', true), '') <> 'true' THEN
         RETURN -1;
     END IF;

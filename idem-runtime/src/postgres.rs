@@ -4,6 +4,7 @@
 //! below is all this backend runs.
 
 use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use futures_util::future::{Either, select};
@@ -211,6 +212,10 @@ pub struct Sql {
     /// (upgrade 4), once looked up by [`Sql::find_record_function`]; `None` when
     /// the table has no record function every role may call.
     record_call: OnceLock<Option<Arc<str>>>,
+    /// Set when a call of the record function failed for want of the function
+    /// or of the right to call it (dropped, revoked since the look-up): from then
+    /// on this store sends the two statements.
+    record_call_failed: AtomicBool,
 }
 
 /// The plain layout's migrations.
@@ -344,6 +349,7 @@ impl Driver for Postgres {
             .into(),
             table: table.into(),
             record_call: OnceLock::new(),
+            record_call_failed: AtomicBool::new(false),
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
             claim_new: claiming(format!("{insert} WHERE {new_guard}")),
@@ -570,12 +576,11 @@ impl Driver for Postgres {
         // then the record; in one statement where the record function can be used.
         // `Some(-1)`: the transaction is no longer the claim's; `Some(n)`: recorded
         // `n` rows; `None`: restored, the record is still to send.
-        let restored = match sql.record_call.get() {
-            Some(Some(call)) => {
-                record_in_one(conn, sql, call, id, claim.lease, &response, announce)
-                    .await
-                    .map(Some)
-            }
+        let restored = match sql.record_call() {
+            Some(call) => record_in_one(conn, sql, call, id, claim.lease, &response, announce)
+                .await
+                .inspect_err(|error| sql.record_call_failed(error))
+                .map(Some),
             _ => sqlx::query(AssertSqlSafe(sql.restore.clone()))
                 .persistent(sql.prepared)
                 .fetch_one(&mut *conn)
@@ -838,6 +843,30 @@ impl Sql {
         // Another claim may have looked meanwhile: it found the same.
         let _ = self.record_call.set(call);
         Ok(())
+    }
+
+    /// The record function's call, unless there is none or it failed for good.
+    fn record_call(&self) -> Option<&Arc<str>> {
+        if self.record_call_failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.record_call.get()?.as_ref()
+    }
+
+    /// Gives the record function up when its call failed because it is gone or
+    /// may no longer be called (undefined function, insufficient privilege, no
+    /// such schema): the request answers 503 with nothing committed, and its
+    /// retry is recorded with the two statements.
+    fn record_call_failed(&self, error: &sqlx::Error) {
+        let gone = matches!(error, sqlx::Error::Database(e)
+            if matches!(e.code().as_deref(), Some("42883" | "42501" | "3F000")));
+        if gone && !self.record_call_failed.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                table = %self.table,
+                %error,
+                "the record function can no longer be called; recording with two statements"
+            );
+        }
     }
 
     /// Whether the session still holds the key's transaction lock, i.e. is still in
@@ -1273,7 +1302,7 @@ mod tests {
                 let mut conn = pool.acquire().await.expect("connection");
                 let sql = &store.inner().sql;
                 sql.find_record_function(&mut conn).await.expect("look-up");
-                sql.record_call.get().cloned().flatten()
+                sql.record_call().cloned()
             }
         };
         let store = Idempotency::new(pool.clone());
@@ -1319,6 +1348,79 @@ mod tests {
         let store = Idempotency::new(pool.clone());
         store.migrate().await.expect("migrate again");
         assert!(found(store).await.is_some(), "migrated again");
+
+        pool.close().await;
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .expect("drop schema");
+    }
+
+    /// A record function dropped under a running store fails one request (503,
+    /// nothing committed); its retry, and every request after it, is recorded with
+    /// the two statements.
+    #[tokio::test]
+    async fn a_record_function_dropped_under_a_running_store_is_given_up() {
+        use bytes::Bytes;
+        use http::{Method, Response, Uri};
+        use http_body_util::Full;
+
+        use crate::{HandlerFuture, IdempotencyKey, RequestIdentity, Tx};
+
+        fn done(_tx: Tx<Postgres>) -> HandlerFuture<Full<Bytes>> {
+            Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
+        }
+        let request = |key: &str| {
+            RequestIdentity::new(
+                IdempotencyKey::parse(key.as_bytes()).ok(),
+                "s",
+                &Method::POST,
+                &Uri::from_static("/p"),
+                b"body",
+            )
+        };
+
+        let Some((url, admin)) = admin().await else {
+            return;
+        };
+        let schema = format!("idem_unit_{}_dropped", std::process::id());
+        let pool = schema_pool(&url, &admin, &schema).await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT USAGE ON SCHEMA {schema} TO PUBLIC"
+        )))
+        .execute(&admin)
+        .await
+        .expect("grant");
+        let store = Idempotency::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        let options = Options::new();
+        let first = store.execute(request("k1"), options, done).await;
+        assert_eq!(first.status(), 200);
+        assert!(
+            store.inner().sql.record_call().is_some(),
+            "the function is used"
+        );
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP FUNCTION {schema}.{}",
+            record_function("idempotency_keys")
+        )))
+        .execute(&admin)
+        .await
+        .expect("drop");
+        let failed = store.execute(request("k2"), options, done).await;
+        assert_eq!(failed.status(), 503);
+        assert!(store.inner().sql.record_call().is_none(), "given up");
+        for key in ["k2", "k3"] {
+            let answer = store.execute(request(key), options, done).await;
+            assert_eq!(answer.status(), 200, "{key}");
+        }
+        let completed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state = 'completed'")
+                .fetch_one(&pool)
+                .await
+                .expect("count");
+        assert_eq!(completed, 3);
 
         pool.close().await;
         sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))

@@ -47,8 +47,8 @@ use crate::tx::Adopted;
 ///
 /// The trait is sealed; its methods are the engine's and not part of the API. A
 /// database it is not implemented for is reported with the feature to enable.
-// The same text as `enabled::Driver`'s: rustc reports this bound where a store is
-// built (`Idempotency::new`), the driver's where a bound on it fails inside idem.
+// Every public bound is on this trait, so its message is the one rustc shows
+// (tests/renamed/ui/fail/database_not_enabled.stderr).
 #[diagnostic::on_unimplemented(
     message = "idem-axum was built without `{Self}`: enable its feature",
     label = "a database idem-axum was not built for",
@@ -375,14 +375,6 @@ pub mod enabled {
     /// What the engine needs of one database: its SQL for a table (built once per
     /// store) and the statements it runs. Every backend's choices live in its own
     /// module; the engine sees only these.
-    #[diagnostic::on_unimplemented(
-        message = "idem-axum was built without `{Self}`: enable its feature",
-        label = "a database idem-axum was not built for",
-        note = "in Cargo.toml: `idem-axum = {{ version = \"0.1\", features = [\"postgres\"] }}` \
-                (or \"mysql\", \"sqlite\"); no database is enabled by default, as in sqlx. \
-                idem-axum 0.1 is built on sqlx 0.9 and axum 0.8: a `{Self}` of another sqlx \
-                version is another type (`cargo tree -d` lists duplicates)"
-    )]
     pub trait Driver: Database {
         /// Prepared statement texts for `table`.
         #[doc(hidden)]

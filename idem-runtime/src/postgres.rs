@@ -581,7 +581,7 @@ impl Driver for Postgres {
                 .await
                 .inspect_err(|error| sql.record_call_failed(error))
                 .map(Some),
-            _ => sqlx::query(AssertSqlSafe(sql.restore.clone()))
+            None => sqlx::query(AssertSqlSafe(sql.restore.clone()))
                 .persistent(sql.prepared)
                 .fetch_one(&mut *conn)
                 .await
@@ -1062,20 +1062,12 @@ async fn record(
     response: &Recorded<'_>,
     announce: Option<u64>,
 ) -> Result<bool, sqlx::Error> {
-    let status = i16::try_from(response.status).unwrap_or(i16::MAX);
     let statement = if announce.is_some() {
         &sql.record_announced
     } else {
         &sql.record
     };
-    let query = sqlx::query(AssertSqlSafe(statement.clone()))
-        .persistent(sql.prepared)
-        .bind(id.scope)
-        .bind(id.key)
-        .bind(lease)
-        .bind(status)
-        .bind(response.headers)
-        .bind(response.body);
+    let query = recording(statement, sql, id, lease, response);
     let recorded = match announce {
         Some(signal) => {
             let count: i64 = query
@@ -1111,7 +1103,23 @@ async fn record_in_one(
     response: &Recorded<'_>,
     announce: Option<u64>,
 ) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(AssertSqlSafe(call.clone()))
+    recording(call, sql, id, lease, response)
+        .bind(announce.map(|signal| signal.to_string()))
+        .fetch_one(conn)
+        .await?
+        .try_get(0)
+}
+
+/// `statement`, a record (`$1`–`$6`: scope, key, lease, status, headers, body)
+/// with its answer bound; an announcement's payload, when it takes one, is `$7`.
+fn recording<'q>(
+    statement: &Arc<str>,
+    sql: &Sql,
+    id: &Identity<'q>,
+    lease: i64,
+    response: &Recorded<'q>,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(statement.clone()))
         .persistent(sql.prepared)
         .bind(id.scope)
         .bind(id.key)
@@ -1119,9 +1127,6 @@ async fn record_in_one(
         .bind(i16::try_from(response.status).unwrap_or(i16::MAX))
         .bind(response.headers)
         .bind(response.body)
-        .bind(announce.map(|signal| signal.to_string()))
-        .fetch_one(conn)
-        .await
 }
 
 /// The seed of the advisory lock taken with a claim: the key's 64-bit signal; the
@@ -1179,12 +1184,12 @@ async fn relay_announcements(
 mod tests {
     use super::*;
 
-    use crate::{Idempotency, Options};
+    use bytes::Bytes;
+    use http::{Method, Response, Uri};
+    use http_body_util::Full;
 
-    /// A claim whose lookup missed a row that committed meanwhile, with an expiry
-    /// on another day: in the plain layout the primary key refuses it; in the
-    /// partitioned layout, where the key includes `expires_at`, only the check made
-    /// after the lock does. Either way the claim is lost and one row remains (I1).
+    use crate::{HandlerFuture, Idempotency, IdempotencyKey, Options, RequestIdentity, Tx};
+
     /// The test server and a pool on it; `None` (SKIPPED) when it is down outside CI.
     async fn admin() -> Option<(String, PgPool)> {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
@@ -1199,6 +1204,31 @@ mod tests {
                 None
             }
         }
+    }
+
+    /// Closes `pool` and drops the `schema` it was on.
+    async fn drop_schema(pool: PgPool, admin: &PgPool, schema: &str) {
+        pool.close().await;
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(admin)
+            .await
+            .expect("drop schema");
+    }
+
+    /// A handler that writes nothing and answers `done`.
+    fn done(_tx: Tx<Postgres>) -> HandlerFuture<Full<Bytes>> {
+        Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
+    }
+
+    /// `POST /p` with `key` in scope `s`.
+    fn keyed(key: &str) -> RequestIdentity {
+        RequestIdentity::new(
+            IdempotencyKey::parse(key.as_bytes()).ok(),
+            "s",
+            &Method::POST,
+            &Uri::from_static("/p"),
+            b"body",
+        )
     }
 
     /// A pool on a fresh `schema` (dropped first if a failed run left it).
@@ -1217,6 +1247,10 @@ mod tests {
             .expect("pool")
     }
 
+    /// A claim whose lookup missed a row that committed meanwhile, with an expiry
+    /// on another day: in the plain layout the primary key refuses it; in the
+    /// partitioned layout, where the key includes `expires_at`, only the check made
+    /// after the lock does. Either way the claim is lost and one row remains (I1).
     #[tokio::test]
     async fn a_claim_after_a_missed_lookup_never_duplicates_the_key() {
         let Some((url, admin)) = admin().await else {
@@ -1278,11 +1312,7 @@ mod tests {
                 .await
                 .expect("count");
             assert_eq!(rows, 1, "partitioned = {partitioned}");
-            pool.close().await;
-            sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-                .execute(&admin)
-                .await
-                .expect("drop schema");
+            drop_schema(pool, &admin, &schema).await;
         }
     }
 
@@ -1349,11 +1379,7 @@ mod tests {
         store.migrate().await.expect("migrate again");
         assert!(found(store).await.is_some(), "migrated again");
 
-        pool.close().await;
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-            .execute(&admin)
-            .await
-            .expect("drop schema");
+        drop_schema(pool, &admin, &schema).await;
     }
 
     /// A record function dropped under a running store fails one request (503,
@@ -1361,25 +1387,6 @@ mod tests {
     /// the two statements.
     #[tokio::test]
     async fn a_record_function_dropped_under_a_running_store_is_given_up() {
-        use bytes::Bytes;
-        use http::{Method, Response, Uri};
-        use http_body_util::Full;
-
-        use crate::{HandlerFuture, IdempotencyKey, RequestIdentity, Tx};
-
-        fn done(_tx: Tx<Postgres>) -> HandlerFuture<Full<Bytes>> {
-            Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
-        }
-        let request = |key: &str| {
-            RequestIdentity::new(
-                IdempotencyKey::parse(key.as_bytes()).ok(),
-                "s",
-                &Method::POST,
-                &Uri::from_static("/p"),
-                b"body",
-            )
-        };
-
         let Some((url, admin)) = admin().await else {
             return;
         };
@@ -1394,7 +1401,7 @@ mod tests {
         let store = Idempotency::new(pool.clone());
         store.migrate().await.expect("migrate");
         let options = Options::new();
-        let first = store.execute(request("k1"), options, done).await;
+        let first = store.execute(keyed("k1"), options, done).await;
         assert_eq!(first.status(), 200);
         assert!(
             store.inner().sql.record_call().is_some(),
@@ -1408,11 +1415,11 @@ mod tests {
         .execute(&admin)
         .await
         .expect("drop");
-        let failed = store.execute(request("k2"), options, done).await;
+        let failed = store.execute(keyed("k2"), options, done).await;
         assert_eq!(failed.status(), 503);
         assert!(store.inner().sql.record_call().is_none(), "given up");
         for key in ["k2", "k3"] {
-            let answer = store.execute(request(key), options, done).await;
+            let answer = store.execute(keyed(key), options, done).await;
             assert_eq!(answer.status(), 200, "{key}");
         }
         let completed: i64 =
@@ -1422,27 +1429,13 @@ mod tests {
                 .expect("count");
         assert_eq!(completed, 3);
 
-        pool.close().await;
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-            .execute(&admin)
-            .await
-            .expect("drop schema");
+        drop_schema(pool, &admin, &schema).await;
     }
 
     /// `wait` across instances: a completion on one store reaches the waiters of
     /// another store on the same database through `NOTIFY`, which the second relays.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn completions_reach_the_waiters_of_other_instances() {
-        use bytes::Bytes;
-        use http::{Method, Response, Uri};
-        use http_body_util::Full;
-
-        use crate::{HandlerFuture, IdempotencyKey, RequestIdentity, Tx};
-
-        fn done(_tx: Tx<Postgres>) -> HandlerFuture<Full<Bytes>> {
-            Box::pin(async { Response::new(Full::new(Bytes::from_static(b"done"))) })
-        }
-
         let Some((url, admin)) = admin().await else {
             return;
         };
@@ -1461,14 +1454,7 @@ mod tests {
         let mut relayed = false;
         for attempt in 0..40 {
             let key = format!("k{attempt}");
-            let request = RequestIdentity::new(
-                IdempotencyKey::parse(key.as_bytes()).ok(),
-                "s",
-                &Method::POST,
-                &Uri::from_static("/p"),
-                b"body",
-            );
-            let response = first.execute(request, waiting, done).await;
+            let response = first.execute(keyed(&key), waiting, done).await;
             assert_eq!(response.status(), 200);
             let signal = signal_of(&crate::signal::key_digest("idempotency_keys", "s", &key));
             let heard_it = tokio::time::timeout(std::time::Duration::from_millis(500), async {
@@ -1482,10 +1468,6 @@ mod tests {
         }
         assert!(relayed, "no completion of one store reached the other");
         drop((first, second));
-        pool.close().await;
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-            .execute(&admin)
-            .await
-            .expect("drop schema");
+        drop_schema(pool, &admin, &schema).await;
     }
 }

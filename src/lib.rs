@@ -261,7 +261,11 @@
 /// `DefaultBodyLimit`; over it, 413 `payload-too-large`; slower than the store's
 /// [`body_timeout`](Builder::body_timeout), 408 `request-timeout`) and
 /// fingerprinted. If it rejects the request, its rejection is the answer and
-/// nothing is stored.
+/// nothing is stored. A retry answered from the replay cache does not run it: a
+/// replay runs nothing of the handler, and the body it answers for is the one the
+/// extractor accepted the first time (same bytes, same `Content-Type`). The other
+/// extractors run on every request, the scope's first; so does the last one when
+/// it is the scope.
 ///
 /// The handler's body, attributes, doc comments, visibility and generics are kept;
 /// `?` and `return` behave as written. It runs in its own task, so a client that

@@ -352,6 +352,23 @@ impl<'a> Handler<'a> {
         if self.params.is_empty() {
             inputs.push(quote!(#last_arg: #private::Buffered<#db, (), #doc>));
         }
+        // The last extractor runs once the request is known not to be a replay
+        // kept in memory (`Call::run`), unless the scope needs its value first.
+        let extracting = Ident::new("__idem_extracting", Span::mixed_site());
+        let (extract_now, extracted, last_received) =
+            if !self.params.is_empty() && scope_param.is_some_and(|(index, _)| index == last) {
+                let now = quote! {
+                    let #last_value = match #extracting.await {
+                        ::std::result::Result::Ok(value) => value,
+                        ::std::result::Result::Err(rejection) => {
+                            return #private::Answer::new(rejection);
+                        }
+                    };
+                };
+                (now, quote!(#private::Extracting::done(())), quote!(_))
+            } else {
+                (TokenStream::new(), quote!(#extracting), quote!(#last_value))
+            };
         let scope_value = match scope_param {
             Some((_, (ident, ty))) => quote_spanned!(ty.span()=> #private::scope_of(&#ident)),
             None => quote!(::std::string::String::new()),
@@ -387,12 +404,13 @@ impl<'a> Handler<'a> {
         Ok(quote! {
             #(#attrs)*
             #vis async fn #ident #generics (#(#inputs),*) -> #private::Answer<#answer, #doc> #where_clause {
-                let (#call, #last_value) = #last_arg.into_parts();
+                let (#call, #extracting) = #last_arg.into_parts();
                 let #mark = #call.in_handler();
+                #extract_now
                 #(#before)*
                 let #scope: ::std::string::String = #scope_value;
                 let #answered = #call
-                    .run(&#scope.clone(), #options, move |#tx| {
+                    .run(&#scope.clone(), #options, #extracted, move |#tx, #last_received| {
                         ::std::boxed::Box::pin(async move {
                             #[allow(unused_imports)]
                             use #private::{Inert as _, Receive as _};

@@ -171,10 +171,18 @@ impl Seen {
             method: parts.method.clone(),
             uri: client_uri(parts).clone(),
             content_type: content_type(parts),
-            endpoint: parts
-                .extensions
-                .get::<MatchedPath>()
-                .map(|route| format!("{} {}", parts.method, route.as_str())),
+            // Only metrics read it.
+            endpoint: cfg!(feature = "metrics")
+                .then(|| parts.extensions.get::<MatchedPath>())
+                .flatten()
+                .map(|route| {
+                    let (method, route) = (parts.method.as_str(), route.as_str());
+                    let mut endpoint = String::with_capacity(method.len() + 1 + route.len());
+                    endpoint.push_str(method);
+                    endpoint.push(' ');
+                    endpoint.push_str(route);
+                    endpoint
+                }),
         }
     }
 
@@ -218,7 +226,16 @@ where
         // Read here rather than by axum's `Bytes`, which needs the parts and so a
         // copy of them; under axum's body limit all the same.
         let (parts, body) = request.with_limited_body().into_parts();
-        let body = match tokio::time::timeout(store.body_timeout(), body.collect()).await {
+        let mut collect = std::pin::pin!(body.collect());
+        // A body already at hand (small bodies usually are) needs no timer.
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(collect.as_mut().poll(cx)));
+        let collected = match first.await {
+            std::task::Poll::Ready(collected) => Ok(collected),
+            std::task::Poll::Pending => {
+                tokio::time::timeout(store.body_timeout(), collect.as_mut()).await
+            }
+        };
+        let body = match collected {
             Ok(body) => body
                 .map_err(|error| body_failed(&store, &error))?
                 .to_bytes(),
@@ -240,23 +257,59 @@ where
 }
 
 /// The last parameter of a handler rewritten by `#[idempotent]`: the buffered
-/// request, plus the user's own last extractor run on the same bytes.
+/// request, plus the user's own last extractor, to run on the same bytes.
 ///
 /// The user's extractor (`Json<T>`, `Form<T>`, `Bytes`, `String`, or any
 /// `FromRequestParts` type) sees the request exactly as sent; if it rejects the
-/// request, its rejection is the answer and nothing is stored.
+/// request, its rejection is the answer and nothing is stored. It runs once the
+/// request is known not to be a replay kept in memory: a replay runs nothing of
+/// the handler, and parsing the body it answers for again would cost it as much
+/// as the rest of the replay together.
 ///
 /// `DOC` carries the options documentation generators read (`openapi::doc`).
 #[doc(hidden)]
-#[derive(Debug)]
 pub struct Buffered<DB: Backend, T, const DOC: u8 = 0> {
     call: Call<DB>,
-    value: T,
+    value: Extracting<T>,
 }
 
 impl<DB: Backend, T, const DOC: u8> Buffered<DB, T, DOC> {
-    pub fn into_parts(self) -> (Call<DB>, T) {
+    pub fn into_parts(self) -> (Call<DB>, Extracting<T>) {
         (self.call, self.value)
+    }
+}
+
+impl<DB: Backend, T, const DOC: u8> std::fmt::Debug for Buffered<DB, T, DOC> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffered")
+            .field("call", &self.call)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The user's last extractor, run on the buffered request when awaited.
+#[doc(hidden)]
+pub struct Extracting<T>(Pin<Box<dyn Future<Output = Result<T, Response>> + Send>>);
+
+impl<T> Extracting<T> {
+    /// A value already extracted (the scope's, which is needed before the key is
+    /// looked up).
+    pub fn done(value: T) -> Self
+    where
+        T: Send + 'static,
+    {
+        Self(Box::pin(std::future::ready(Ok(value))))
+    }
+}
+
+impl<T> Future for Extracting<T> {
+    type Output = Result<T, Response>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        self.0.as_mut().poll(cx)
     }
 }
 
@@ -279,25 +332,37 @@ impl<DB: Backend> Call<DB> {
     }
 
     /// See [`IdempotentRequest::run`]. A replay kept in memory is answered at
-    /// once; anything else runs in a future of its own, which keeps the
-    /// handler's future small for axum to move.
-    pub fn run<F>(self, scope: &str, options: Options, handler: F) -> Running
+    /// once, without `value`'s extractor; anything else extracts it and runs in
+    /// a future of its own, which keeps the handler's future small for axum to
+    /// move.
+    pub fn run<T, F>(
+        self,
+        scope: &str,
+        options: Options,
+        value: Extracting<T>,
+        handler: F,
+    ) -> Running
     where
-        F: FnOnce(crate::Tx<DB>) -> HandlerFuture<Body> + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(crate::Tx<DB>, T) -> HandlerFuture<Body> + Send + 'static,
     {
         let mut request = self.seen.identify(self.key, &self.body, scope, options);
-        match self.store.replay_kept(&mut request, options) {
-            Some(response) => Either::Left(std::future::ready(response.map(Body::from))),
-            None => {
-                let store = self.store;
-                Either::Right(Box::pin(async move {
-                    store
-                        .claim_and_run(request, options, handler)
-                        .await
-                        .map(Body::from)
-                }))
-            }
+        if let Some(response) = self.store.replay_kept(&mut request, options, true) {
+            return Either::Left(std::future::ready(response.map(Body::from)));
         }
+        let store = self.store;
+        Either::Right(Box::pin(async move {
+            // The extractor's rejection comes first, as for any handler; then
+            // what the key's record says (a mismatch kept in memory included).
+            let value = match value.await {
+                Ok(value) => value,
+                Err(rejection) => return rejection,
+            };
+            store
+                .execute(request, options, move |tx| handler(tx, value))
+                .await
+                .map(Body::from)
+        }))
     }
 }
 
@@ -529,10 +594,11 @@ pub struct ViaBuffered;
 
 impl<S, DB, T, M, const DOC: u8> FromRequest<S, (ViaBuffered, M)> for Buffered<DB, T, DOC>
 where
-    S: Send + Sync,
+    S: Clone + Send + Sync + 'static,
     DB: Backend,
     Idempotency<DB>: FromRef<S>,
-    T: FromRequest<S, M>,
+    T: FromRequest<S, M> + Send + 'static,
+    M: 'static,
 {
     type Rejection = Response;
 
@@ -554,9 +620,14 @@ where
             mark: parts.extensions.get::<InHandler>().cloned(),
             body: body.clone(),
         };
-        let value = T::from_request(Request::from_parts(parts, Body::from(body)), state)
-            .await
-            .map_err(IntoResponse::into_response)?;
+        // Axum's router state is `Clone` (`Router::with_state`): the extractor
+        // takes its own copy, to run after this returns.
+        let state = state.clone();
+        let value = Extracting(Box::pin(async move {
+            T::from_request(Request::from_parts(parts, Body::from(body)), &state)
+                .await
+                .map_err(IntoResponse::into_response)
+        }));
         Ok(Self { call, value })
     }
 }

@@ -343,7 +343,7 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        match self.replay_kept(&mut request, options) {
+        match self.replay_kept(&mut request, options, false) {
             Some(response) => response,
             None => self.claim_and_run(request, options, handler).await,
         }
@@ -352,17 +352,21 @@ impl<DB: Backend> Idempotency<DB> {
     /// The answer to `request` when this process keeps its key's completed
     /// record, given at once: nothing is claimed, so there is no task to spawn and
     /// nothing a disconnect could cut short. `None` leaves `request` as it was.
+    /// `replays_only` leaves any other answer (a mismatch) to a later call.
     pub(crate) fn replay_kept(
         &self,
         request: &mut RequestIdentity,
         options: Options,
+        replays_only: bool,
     ) -> Option<Response<Bytes>> {
         // A store shutting down answers as `claim_and_run` does.
         let running = self.inner().lifecycle.enter()?;
-        let (outcome, response) = self.kept_answer(request, options)?;
+        let (outcome, response) = self
+            .kept_answer(request, options)
+            .filter(|(outcome, _)| !replays_only || *outcome == Outcome::Replayed)?;
         drop(running);
         let endpoint = endpoint_of(request);
-        Some(answered(&span_of(request), outcome, response, &endpoint))
+        Some(answered(&span_of(request), outcome, response, endpoint))
     }
 
     /// [`execute`](Self::execute) past the replay cache: claims and executes in a
@@ -385,7 +389,7 @@ impl<DB: Backend> Idempotency<DB> {
         let Some(running) = self.inner().lifecycle.enter() else {
             let mut response = self.shutting_down();
             response.extensions_mut().insert(Outcome::ShuttingDown);
-            metrics::request(Outcome::ShuttingDown.as_str(), &endpoint);
+            metrics::request(Outcome::ShuttingDown.as_str(), endpoint);
             return response;
         };
         let store = self.clone();
@@ -396,7 +400,7 @@ impl<DB: Backend> Idempotency<DB> {
             async move {
                 let (outcome, response) = store.run(request, options, handler, &label).await;
                 drop(running);
-                answered(&tracing::Span::current(), outcome, response, &label)
+                answered(&tracing::Span::current(), outcome, response, label)
             }
             .instrument(span),
         ));
@@ -410,7 +414,7 @@ impl<DB: Backend> Idempotency<DB> {
                     "the request was interrupted; retry with the same key",
                 );
                 response.extensions_mut().insert(Outcome::StoreFailed);
-                metrics::request(Outcome::StoreFailed.as_str(), &endpoint);
+                metrics::request(Outcome::StoreFailed.as_str(), endpoint);
                 response
             }
         }
@@ -1234,6 +1238,9 @@ fn span_of(request: &RequestIdentity) -> tracing::Span {
 
 /// The endpoint's label in metrics: its route, else its method.
 fn endpoint_of(request: &mut RequestIdentity) -> String {
+    if !cfg!(feature = "metrics") {
+        return String::new();
+    }
     request
         .endpoint
         .take()
@@ -1245,7 +1252,7 @@ fn answered(
     span: &tracing::Span,
     outcome: Outcome,
     mut response: Response<Bytes>,
-    endpoint: &str,
+    endpoint: String,
 ) -> Response<Bytes> {
     if !span.is_disabled() {
         span.record("outcome", outcome.as_str());

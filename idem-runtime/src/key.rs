@@ -1,5 +1,6 @@
 //! The `Idempotency-Key` request header (`docs/contract.md` §2) and key relay (§5).
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -84,7 +85,7 @@ impl IdempotencyKey {
         let value = match raw.first() {
             None => return Err(InvalidKey::Empty),
             Some(b'"') => unquote(raw)?,
-            Some(_) => bare(raw)?,
+            Some(_) => Cow::Borrowed(bare(raw)?),
         };
         if value.is_empty() {
             return Err(InvalidKey::Empty);
@@ -93,7 +94,7 @@ impl IdempotencyKey {
             return Err(InvalidKey::TooLong);
         }
         Ok(Self {
-            value: value.into(),
+            value: Arc::from(&*value),
             scope: None,
         })
     }
@@ -200,16 +201,24 @@ fn trim_ows(mut raw: &[u8]) -> &[u8] {
 
 /// The bare form: visible ASCII without spaces or commas, since a comma is what
 /// two folded headers look like.
-fn bare(raw: &[u8]) -> Result<String, InvalidKey> {
-    if raw.iter().all(|&b| b.is_ascii_graphic() && b != b',') {
-        Ok(raw.iter().map(|&b| char::from(b)).collect())
-    } else {
-        Err(InvalidKey::BadCharacter)
+fn bare(raw: &[u8]) -> Result<&str, InvalidKey> {
+    match std::str::from_utf8(raw) {
+        Ok(text) if raw.iter().all(|&b| b.is_ascii_graphic() && b != b',') => Ok(text),
+        _ => Err(InvalidKey::BadCharacter),
     }
 }
 
 /// An RFC 8941 sf-string: `"` chars `"`, where `\` escapes only `"` and `\`.
-fn unquote(raw: &[u8]) -> Result<String, InvalidKey> {
+fn unquote(raw: &[u8]) -> Result<Cow<'_, str>, InvalidKey> {
+    // Without escapes the key is the text between the quotes, as it stands.
+    if let [b'"', inner @ .., b'"'] = raw
+        && inner
+            .iter()
+            .all(|&b| (0x20..=0x7e).contains(&b) && b != b'"' && b != b'\\')
+        && let Ok(text) = std::str::from_utf8(inner)
+    {
+        return Ok(Cow::Borrowed(text));
+    }
     let mut out = String::with_capacity(raw.len());
     let mut bytes = raw.iter().skip(1);
     loop {
@@ -228,7 +237,7 @@ fn unquote(raw: &[u8]) -> Result<String, InvalidKey> {
         // Anything after the closing quote: parameters or a folded second header.
         return Err(InvalidKey::BadQuoting);
     }
-    Ok(out)
+    Ok(Cow::Owned(out))
 }
 
 pub(crate) fn to_hex(bytes: &[u8]) -> String {

@@ -91,7 +91,7 @@ pub mod utoipa {
 #[doc(hidden)]
 #[cfg(feature = "axum")]
 pub mod __macro_support {
-    pub use crate::axum::{Answer, Arg, Buffered, Handed, InHandler, Inert, Receive};
+    pub use crate::axum::{Answer, Arg, Buffered, Extracting, Handed, InHandler, Inert, Receive};
     pub use crate::{Options, Scope};
     pub use ::axum::response::{IntoResponse, Response};
 

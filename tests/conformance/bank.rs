@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::extract::FromRequestParts;
-use axum::extract::{FromRef, Path, Request, State};
+use axum::extract::{FromRef, FromRequest, Path, Request, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -67,6 +67,8 @@ pub struct Bank<H: Harness> {
     /// Sign-ups run: what a provider called from the handler, outside the
     /// database, would have been asked for.
     sign_ups: Arc<AtomicUsize>,
+    /// Runs of the app's counting extractors, [`Counted`] and [`CountedUser`].
+    extracted: Arc<AtomicUsize>,
     _harness: PhantomData<fn() -> H>,
 }
 
@@ -75,8 +77,45 @@ impl<H: Harness> Clone for Bank<H> {
         Self {
             idempotency: self.idempotency.clone(),
             sign_ups: self.sign_ups.clone(),
+            extracted: self.extracted.clone(),
             _harness: PhantomData,
         }
+    }
+}
+
+/// `Json<T>`, counting its runs in the bank's `extracted`.
+pub struct Counted<T>(T);
+
+impl<H: Harness, T: serde::de::DeserializeOwned> FromRequest<Bank<H>> for Counted<T> {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, bank: &Bank<H>) -> Result<Self, Response> {
+        bank.extracted.fetch_add(1, Ordering::SeqCst);
+        match Json::<T>::from_request(request, bank).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(rejection) => Err(rejection.into_response()),
+        }
+    }
+}
+
+/// The caller, counting its runs in the bank's `extracted`.
+pub struct CountedUser(User);
+
+impl Scope for CountedUser {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        self.0.scope()
+    }
+}
+
+impl<H: Harness> FromRequestParts<Bank<H>> for CountedUser {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, bank: &Bank<H>) -> Result<Self, Response> {
+        bank.extracted.fetch_add(1, Ordering::SeqCst);
+        let Extension(user) = Extension::<User>::from_request_parts(parts, bank)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self(user))
     }
 }
 
@@ -223,6 +262,30 @@ async fn plain<H: Harness>(mut tx: Tx<H::DB>) -> StatusCode {
     StatusCode::CREATED
 }
 
+/// POST /v1/counted: a transfer whose body goes through [`Counted`].
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn counted<H: Harness>(
+    Extension(user): Extension<User>,
+    mut tx: Tx<H::DB>,
+    Counted(req): Counted<NewTransfer>,
+) -> (StatusCode, String) {
+    let amount = req.amount.to_string();
+    match note::<H>(&mut tx, &user.0, &format!("counted {amount}")).await {
+        Ok(()) => (StatusCode::CREATED, format!("counted {amount}")),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
+/// POST /v1/scope-last: the scope is the last parameter, [`CountedUser`].
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn scope_last<H: Harness>(mut tx: Tx<H::DB>, user: CountedUser) -> (StatusCode, String) {
+    let CountedUser(User(name)) = user;
+    match note::<H>(&mut tx, &name, "scope last").await {
+        Ok(()) => (StatusCode::CREATED, format!("scope last for {name}")),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
 /// An extractor of the app's own that takes a `Tx` inside it.
 pub struct Wrapped<H: Harness>(BankTx<H>);
 
@@ -268,12 +331,24 @@ pub fn app<H: Harness>(idempotency: Idempotency<H::DB>) -> Service {
     app_counting::<H>(idempotency).0
 }
 
-/// [`app`], and how many times its sign-up handler has run.
-pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Arc<AtomicUsize>) {
-    let sign_ups = Arc::new(AtomicUsize::new(0));
+/// What [`app_counting`] counts.
+pub struct Counts {
+    /// Runs of the sign-up handler.
+    pub sign_ups: Arc<AtomicUsize>,
+    /// Runs of the counting extractors (`/v1/counted`, `/v1/scope-last`).
+    pub extracted: Arc<AtomicUsize>,
+}
+
+/// [`app`], and its counts.
+pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Counts) {
+    let counts = Counts {
+        sign_ups: Arc::new(AtomicUsize::new(0)),
+        extracted: Arc::new(AtomicUsize::new(0)),
+    };
     let state = Bank::<H> {
         idempotency,
-        sign_ups: sign_ups.clone(),
+        sign_ups: counts.sign_ups.clone(),
+        extracted: counts.extracted.clone(),
         _harness: PhantomData,
     };
     let accounts = Router::new().route("/transfers", post(transfer::<H>));
@@ -284,6 +359,8 @@ pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Ar
         .route("/plain", post(plain::<H>))
         .route("/wrapped", post(wrapped::<H>))
         .route("/two", post(two::<H>))
+        .route("/counted", post(counted::<H>))
+        .route("/scope-last", post(scope_last::<H>))
         .merge(Router::new().route("/users", post(sign_up::<H>)));
     let v2 = Router::new().nest("/accounts/{acct}", accounts);
     // The same routes as a service of their own, mounted with `nest_service`.
@@ -301,7 +378,7 @@ pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Ar
         .nest_service("/legacy", legacy.layer(middleware::from_fn(auth)))
         .with_state(state);
     let service = NormalizePathLayer::trim_trailing_slash().layer(router);
-    (BoxCloneSyncService::new(service), sign_ups)
+    (BoxCloneSyncService::new(service), counts)
 }
 
 /// Sends one request to the app; `Body` and headers as a client would.

@@ -70,8 +70,8 @@ use json::{browser_sent_keys_are_keys, json_fingerprints_compare_values_not_byte
 use kit::the_testing_kit_proves_handlers_exactly_once;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
-    idem_extractors_work_in_any_handler, nested_routes_keep_their_identity,
-    storms_over_two_instances_execute_each_key_once,
+    idem_extractors_work_in_any_handler, kept_replays_skip_the_last_extractor,
+    nested_routes_keep_their_identity, storms_over_two_instances_execute_each_key_once,
 };
 use session::{
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
@@ -1341,6 +1341,7 @@ conformance!(
     migrate_upgrades_a_table_of_the_previous_release,
     escaped_transactions_are_rolled_back,
     idem_extractors_work_in_any_handler,
+    kept_replays_skip_the_last_extractor,
     draining_finishes_in_flight_and_refuses_new_keys,
     close_cancels_what_cannot_finish,
     completed_keys_are_replayed_from_memory,

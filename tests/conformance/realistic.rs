@@ -139,7 +139,8 @@ pub async fn nested_routes_keep_their_identity<H: Harness>() {
 pub async fn caught_database_errors_are_recorded<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     h.script(bank::SCHEMA).await;
-    let (app, sign_ups) = bank::app_counting::<H>(h.store().clone());
+    let (app, counts) = bank::app_counting::<H>(h.store().clone());
+    let sign_ups = counts.sign_ups;
     let retried = Arc::new(AtomicUsize::new(0));
     let body = r#"{"email":"ann@example.com"}"#;
     let request = bank::request("/v1/users", "alice", "s1", body);
@@ -397,5 +398,62 @@ pub async fn idem_extractors_work_in_any_handler<H: Harness>() {
             .all(|(key, row)| key == "g1" && row.state == "completed"),
         "only the gift is stored: {rows:?}"
     );
+    h.finish().await;
+}
+
+/// Contract §3: a replay runs nothing of the handler. A retry answered from the
+/// replay cache does not run the last extractor (the body it answers for is the
+/// one that extractor accepted); any other retry runs it first, so a body it
+/// refuses gets its rejection, as on any handler, before a mismatch is told. A
+/// scope given by the last parameter is extracted on every request.
+pub async fn kept_replays_skip_the_last_extractor<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    h.script(bank::SCHEMA).await;
+    let (app, counts) = bank::app_counting::<H>(h.store().clone());
+    let retried = AtomicUsize::new(0);
+    let extracted = || counts.extracted.load(Ordering::SeqCst) - retried.load(Ordering::SeqCst);
+    let counted = |key: &str, body: &str| bank::request("/v1/counted", "alice", key, body);
+
+    let first = call_counting(&app, counted("c1", r#"{"amount":7}"#), &retried).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(extracted(), 1);
+    for _ in 0..3 {
+        let again = call_counting(&app, counted("c1", r#"{"amount":7}"#), &retried).await;
+        assert_eq!(again.outcome, Some(Outcome::Replayed), "{again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(extracted(), 1, "kept replays run no extractor");
+
+    let refused = call_counting(&app, counted("c1", "{not json"), &retried).await;
+    assert_eq!(
+        refused.status, 400,
+        "the extractor's rejection: {refused:?}"
+    );
+    assert_eq!(refused.outcome, None);
+    let other = call_counting(&app, counted("c1", r#"{"amount":8}"#), &retried).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(extracted(), 3);
+
+    // An instance that keeps no copy reads the table, after the extractor ran.
+    let (two, two_counts) = bank::app_counting::<H>(h.another_instance());
+    let read = call(&two, counted("c1", r#"{"amount":7}"#)).await;
+    assert_eq!(read.outcome, Some(Outcome::Replayed), "{read:?}");
+    assert_eq!(read.body, first.body);
+    assert_eq!(two_counts.extracted.load(Ordering::SeqCst), 1);
+
+    let last = |key: &str| bank::request("/v1/scope-last", "bob", key, "");
+    let first_last = call_counting(&app, last("s1"), &retried).await;
+    assert_eq!(first_last.status, 201, "{first_last:?}");
+    let again_last = call_counting(&app, last("s1"), &retried).await;
+    assert_eq!(
+        again_last.outcome,
+        Some(Outcome::Replayed),
+        "{again_last:?}"
+    );
+    assert_eq!(again_last.body, first_last.body);
+    assert_eq!(extracted(), 5, "the scope is extracted every time");
+
+    assert_eq!(audits(&h, "counted").await, 1, "one execution");
+    assert_eq!(audits(&h, "scope last").await, 1, "one execution");
     h.finish().await;
 }

@@ -410,7 +410,7 @@ impl<'a> Handler<'a> {
                 #(#before)*
                 let #scope: ::std::string::String = #scope_value;
                 let #answered = #call
-                    .run(&#scope.clone(), #options, #extracted, move |#tx, #last_received| {
+                    .run(#scope, #options, #extracted, move |#tx, #last_received, #scope| {
                         ::std::boxed::Box::pin(async move {
                             #[allow(unused_imports)]
                             use #private::{Inert as _, Receive as _};

@@ -62,7 +62,7 @@ use futures_util::future::Either;
 use http_body_util::BodyExt as _;
 
 use crate::backend::Backend;
-use crate::engine::{HandlerFuture, RequestIdentity};
+use crate::engine::{HandlerFuture, RequestIdentity, path_of};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -159,7 +159,8 @@ impl<DB: Backend> IdempotentRequest<DB> {
 #[derive(Debug)]
 struct Seen {
     method: Method,
-    uri: Uri,
+    /// The path and query the client sent.
+    path: String,
     content_type: String,
     /// `METHOD /route` when a route matched: the metrics' endpoint.
     endpoint: Option<String>,
@@ -169,7 +170,7 @@ impl Seen {
     fn of(parts: &Parts) -> Self {
         Self {
             method: parts.method.clone(),
-            uri: client_uri(parts).clone(),
+            path: path_of(client_uri(parts)),
             content_type: content_type(parts),
             // Only metrics read it.
             endpoint: cfg!(feature = "metrics")
@@ -193,7 +194,7 @@ impl Seen {
         self,
         key: Option<IdempotencyKey>,
         body: &[u8],
-        scope: &str,
+        scope: impl Into<String>,
         options: Options,
     ) -> RequestIdentity {
         let fingerprint = match key {
@@ -201,7 +202,7 @@ impl Seen {
             None => Ok([0; 32]),
         };
         let mut request =
-            RequestIdentity::identified(key, scope, &self.method, &self.uri, fingerprint)
+            RequestIdentity::of_parts(key, scope.into(), self.method, self.path, fingerprint)
                 .with_content_type(self.content_type);
         if let Some(endpoint) = self.endpoint {
             request = request.with_endpoint(endpoint);
@@ -220,9 +221,17 @@ where
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
         let store = Idempotency::<DB>::from_ref(state);
-        let key = IdempotencyKey::from_headers(request.headers()).map_err(|invalid| {
-            problem_response(&store, Problem::InvalidKey, &invalid.to_string())
-        })?;
+        // The handler's `IdempotencyKey` parameter, if any, has parsed it already.
+        let parsed = request
+            .extensions()
+            .get::<InHandler>()
+            .and_then(|marked| marked.key.clone());
+        let key = match parsed {
+            Some(key) => Some(key),
+            None => IdempotencyKey::from_headers(request.headers()).map_err(|invalid| {
+                problem_response(&store, Problem::InvalidKey, &invalid.to_string())
+            })?,
+        };
         // Read here rather than by axum's `Bytes`, which needs the parts and so a
         // copy of them; under axum's body limit all the same.
         let (parts, body) = request.with_limited_body().into_parts();
@@ -337,14 +346,14 @@ impl<DB: Backend> Call<DB> {
     /// move.
     pub fn run<T, F>(
         self,
-        scope: &str,
+        scope: String,
         options: Options,
         value: Extracting<T>,
         handler: F,
     ) -> Running
     where
         T: Send + 'static,
-        F: FnOnce(crate::Tx<DB>, T) -> HandlerFuture<Body> + Send + 'static,
+        F: FnOnce(crate::Tx<DB>, T, Arc<str>) -> HandlerFuture<Body> + Send + 'static,
     {
         let mut request = self.seen.identify(self.key, &self.body, scope, options);
         if let Some(response) = self.store.replay_kept(&mut request, options, true) {
@@ -358,8 +367,9 @@ impl<DB: Backend> Call<DB> {
                 Ok(value) => value,
                 Err(rejection) => return rejection,
             };
+            let scope = Arc::from(request.scope());
             store
-                .execute(request, options, move |tx| handler(tx, value))
+                .execute(request, options, move |tx| handler(tx, value, scope))
                 .await
                 .map(Body::from)
         }))
@@ -425,6 +435,8 @@ where
 pub struct InHandler {
     problem_base: Arc<str>,
     txs: Arc<AtomicUsize>,
+    /// The key as a parameter of the handler parsed it.
+    key: Option<IdempotencyKey>,
 }
 
 impl InHandler {
@@ -433,6 +445,7 @@ impl InHandler {
             extensions.insert(Self {
                 problem_base: Arc::clone(&store.inner().problem_base),
                 txs: Arc::new(AtomicUsize::new(0)),
+                key: None,
             });
         }
     }
@@ -506,8 +519,12 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
-        Self::from_headers(&parts.headers)
-            .map_err(|invalid| parts_problem(parts, Problem::InvalidKey, &invalid.to_string()))
+        let key = Self::from_headers(&parts.headers)
+            .map_err(|invalid| parts_problem(parts, Problem::InvalidKey, &invalid.to_string()))?;
+        if let (Some(key), Some(marked)) = (&key, parts.extensions.get_mut::<InHandler>()) {
+            marked.key = Some(key.clone());
+        }
+        Ok(key)
     }
 }
 
@@ -517,14 +534,14 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
 #[derive(Debug)]
 pub struct Handed<DB: Backend> {
     tx: Tx<DB>,
-    scope: String,
+    scope: Arc<str>,
     marked: Option<InHandler>,
     attached: usize,
 }
 
 impl<DB: Backend> Handed<DB> {
     /// `marked`: what [`Call::in_handler`] found on the request.
-    pub fn new(tx: Tx<DB>, scope: String, marked: Option<InHandler>) -> Self {
+    pub fn new(tx: Tx<DB>, scope: Arc<str>, marked: Option<InHandler>) -> Self {
         Self {
             tx,
             scope,
@@ -562,7 +579,7 @@ impl<DB: Backend> Receive<DB> for Tx<DB> {
 
 impl<DB: Backend> Receive<DB> for IdempotencyKey {
     fn idem_receive(&mut self, handed: &mut Handed<DB>) {
-        *self = self.clone().with_scope(&handed.scope);
+        *self = self.clone().with_shared_scope(Arc::clone(&handed.scope));
     }
 }
 

@@ -114,14 +114,22 @@ impl RequestIdentity {
         uri: &Uri,
         fingerprint: Result<[u8; 32], InvalidJson>,
     ) -> Self {
-        let scope = scope.into();
+        Self::of_parts(key, scope.into(), method.clone(), path_of(uri), fingerprint)
+    }
+
+    /// [`identified`](Self::identified) from owned parts; `path` as [`path_of`] gives it.
+    pub(crate) fn of_parts(
+        key: Option<IdempotencyKey>,
+        scope: String,
+        method: Method,
+        path: String,
+        fingerprint: Result<[u8; 32], InvalidJson>,
+    ) -> Self {
         Self {
             key: key.map(|k| k.with_scope(&scope)),
             scope,
-            method: method.clone(),
-            path: uri
-                .path_and_query()
-                .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
+            method,
+            path,
             content_type: String::new(),
             fingerprint,
             endpoint: None,
@@ -1223,6 +1231,12 @@ impl HeldKey {
 
 /// A fresh lease token. Random, not a counter: a row deleted and claimed again must
 /// never hand an old executor's token to a new one.
+/// The path and query of `uri`, as a request's identity holds them.
+pub(crate) fn path_of(uri: &Uri) -> String {
+    uri.path_and_query()
+        .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned())
+}
+
 /// One span a request, at DEBUG as tower-http's are; only what an operator must
 /// act on (takeovers, lost leases, store errors) is logged above it.
 fn span_of(request: &RequestIdentity) -> tracing::Span {

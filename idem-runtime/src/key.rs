@@ -111,8 +111,12 @@ impl IdempotencyKey {
 
     /// Returns this key bound to `scope`, which [`derive`](Self::derive) then mixes in.
     #[must_use]
-    pub fn with_scope(mut self, scope: &str) -> Self {
-        self.scope = Some(scope.into());
+    pub fn with_scope(self, scope: &str) -> Self {
+        self.with_shared_scope(scope.into())
+    }
+
+    pub(crate) fn with_shared_scope(mut self, scope: Arc<str>) -> Self {
+        self.scope = Some(scope);
         self
     }
 

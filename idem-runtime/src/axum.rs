@@ -62,7 +62,7 @@ use futures_util::future::Either;
 use http_body_util::BodyExt as _;
 
 use crate::backend::Backend;
-use crate::engine::{HandlerFuture, RequestIdentity, path_of};
+use crate::engine::{HandlerFuture, Outcome, RequestIdentity, path_of};
 use crate::key::IdempotencyKey;
 use crate::options::Options;
 use crate::problem::Problem;
@@ -356,10 +356,14 @@ impl<DB: Backend> Call<DB> {
         F: FnOnce(crate::Tx<DB>, T, Arc<str>) -> HandlerFuture<Body> + Send + 'static,
     {
         let mut request = self.seen.identify(self.key, &self.body, scope, options);
-        if let Some(response) = self.store.replay_kept(&mut request, options, true) {
-            return Either::Left(std::future::ready(response.map(Body::from)));
-        }
         let store = self.store;
+        let kept = match store.kept(&request, options) {
+            Some(kept) if kept.0 == Outcome::Replayed => {
+                let response = store.answer_kept(&mut request, kept);
+                return Either::Left(std::future::ready(response.map(Body::from)));
+            }
+            kept => kept,
+        };
         Either::Right(Box::pin(async move {
             // The extractor's rejection comes first, as for any handler; then
             // what the key's record says (a mismatch kept in memory included).
@@ -367,11 +371,15 @@ impl<DB: Backend> Call<DB> {
                 Ok(value) => value,
                 Err(rejection) => return rejection,
             };
-            let scope = Arc::from(request.scope());
-            store
-                .execute(request, options, move |tx| handler(tx, value, scope))
-                .await
-                .map(Body::from)
+            let response = match kept {
+                Some(kept) => store.answer_kept(&mut request, kept),
+                None => {
+                    let scope = Arc::from(request.scope());
+                    let handler = move |tx| handler(tx, value, scope);
+                    store.claim_and_run(request, options, handler).await
+                }
+            };
+            response.map(Body::from)
         }))
     }
 }

@@ -351,30 +351,34 @@ impl<DB: Backend> Idempotency<DB> {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        match self.replay_kept(&mut request, options, false) {
-            Some(response) => response,
+        match self.kept(&request, options) {
+            Some(kept) => self.answer_kept(&mut request, kept),
             None => self.claim_and_run(request, options, handler).await,
         }
     }
 
-    /// The answer to `request` when this process keeps its key's completed
-    /// record, given at once: nothing is claimed, so there is no task to spawn and
-    /// nothing a disconnect could cut short. `None` leaves `request` as it was.
-    /// `replays_only` leaves any other answer (a mismatch) to a later call.
-    pub(crate) fn replay_kept(
+    /// What this process's copy of the key's completed record answers `request`
+    /// (a replay, or a mismatch), if it keeps one: nothing is claimed, so there is
+    /// no task to spawn and nothing a disconnect could cut short. Given with
+    /// [`answer_kept`](Self::answer_kept). `None` while the store shuts down, as
+    /// `claim_and_run` then answers.
+    pub(crate) fn kept(
+        &self,
+        request: &RequestIdentity,
+        options: Options,
+    ) -> Option<(Outcome, Response<Bytes>)> {
+        let _running = self.inner().lifecycle.enter()?;
+        self.kept_answer(request, options)
+    }
+
+    /// Gives what [`kept`](Self::kept) found: its span, metric and `Outcome`.
+    pub(crate) fn answer_kept(
         &self,
         request: &mut RequestIdentity,
-        options: Options,
-        replays_only: bool,
-    ) -> Option<Response<Bytes>> {
-        // A store shutting down answers as `claim_and_run` does.
-        let running = self.inner().lifecycle.enter()?;
-        let (outcome, response) = self
-            .kept_answer(request, options)
-            .filter(|(outcome, _)| !replays_only || *outcome == Outcome::Replayed)?;
-        drop(running);
+        (outcome, response): (Outcome, Response<Bytes>),
+    ) -> Response<Bytes> {
         let endpoint = endpoint_of(request);
-        Some(answered(&span_of(request), outcome, response, endpoint))
+        answered(&span_of(request), outcome, response, endpoint)
     }
 
     /// [`execute`](Self::execute) past the replay cache: claims and executes in a

@@ -430,7 +430,7 @@ where
     type Rejection = T::Rejection;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        InHandler::enter(&mut parts.extensions, &Idempotency::<DB>::from_ref(state));
+        InHandler::enter::<DB, S>(&mut parts.extensions, state);
         let value = T::from_request_parts(parts, state).await?;
         Ok(Self(value, std::marker::PhantomData))
     }
@@ -448,8 +448,13 @@ pub struct InHandler {
 }
 
 impl InHandler {
-    fn enter<DB: Backend>(extensions: &mut http::Extensions, store: &Idempotency<DB>) {
+    /// Marks the request once, for the first of the handler's parameters.
+    fn enter<DB: Backend, S>(extensions: &mut http::Extensions, state: &S)
+    where
+        Idempotency<DB>: FromRef<S>,
+    {
         if extensions.get::<Self>().is_none() {
+            let store = Idempotency::<DB>::from_ref(state);
             extensions.insert(Self {
                 problem_base: Arc::clone(&store.inner().problem_base),
                 txs: Arc::new(AtomicUsize::new(0)),
@@ -628,10 +633,7 @@ where
     type Rejection = Response;
 
     async fn from_request(mut request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        InHandler::enter(
-            request.extensions_mut(),
-            &Idempotency::<DB>::from_ref(state),
-        );
+        InHandler::enter::<DB, S>(request.extensions_mut(), state);
         let IdempotentRequest {
             store,
             key,

@@ -367,7 +367,10 @@ impl<DB: Backend> Idempotency<DB> {
         request: &RequestIdentity,
         options: Options,
     ) -> Option<(Outcome, Response<Bytes>)> {
-        let _running = self.inner().lifecycle.enter()?;
+        // Nothing is claimed, so nothing for `close` to wait for: only refused.
+        if self.inner().lifecycle.is_draining() {
+            return None;
+        }
         self.kept_answer(request, options)
     }
 

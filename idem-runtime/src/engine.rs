@@ -1236,8 +1236,6 @@ impl HeldKey {
     }
 }
 
-/// A fresh lease token. Random, not a counter: a row deleted and claimed again must
-/// never hand an old executor's token to a new one.
 /// The path and query of `uri`, as a request's identity holds them.
 pub(crate) fn path_of(uri: &Uri) -> String {
     uri.path_and_query()
@@ -1285,6 +1283,8 @@ fn answered(
     response
 }
 
+/// A fresh lease token. Random, not a counter: a row deleted and claimed again must
+/// never hand an old executor's token to a new one.
 fn new_lease() -> i64 {
     i64::from_ne_bytes(random_u64().to_ne_bytes())
 }

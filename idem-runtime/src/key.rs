@@ -304,6 +304,9 @@ mod tests {
         assert_eq!(parse(b"\"a\", \"b\""), Err(InvalidKey::BadQuoting));
         assert_eq!(parse(b"\"a\";p=1"), Err(InvalidKey::BadQuoting));
         assert_eq!(parse(br#""bad \x""#), Err(InvalidKey::BadQuoting));
+        // Quoted at both ends, yet the last quote is escaped.
+        assert_eq!(parse(br#""a\""#), Err(InvalidKey::BadQuoting));
+        assert_eq!(parse(br#""\""#), Err(InvalidKey::BadQuoting));
     }
 
     #[test]

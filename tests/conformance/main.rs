@@ -684,14 +684,17 @@ async fn not_executed_answers_release_the_key<H: Harness>() {
 async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
-    let req = Req::post("alice", "k-hang", BODY).header("x-lock-ms", 2000);
+    // Start marks are the process's: a key of this run's own.
+    let key = format!("k-hang-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY).header("x-lock-ms", 2000);
     let started = Instant::now();
     let hung = {
         let app = app.clone();
         let req = req.clone().header("x-sleep-ms", 60_000);
         tokio::spawn(async move { send(&app, &req).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its claim is held (a fixed pause let a loaded runner send the duplicate first).
+    await_started(&key).await;
     assert_in_flight(&send(&app, &req).await);
 
     let hung = hung.await.expect("hung request");
@@ -718,13 +721,16 @@ async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
 async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
-    let req = Req::post("alice", "k-late", BODY).header("x-lock-ms", 1000);
+    let key = format!("k-late-{}", unique_suffix());
+    let req = Req::post("alice", &key, BODY).header("x-lock-ms", 1000);
     let stalled = {
         let app = app.clone();
         let req = req.clone().header("x-block-ms", 4000);
         tokio::spawn(async move { send(&app, &req).await })
     };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The retry comes once the stalled executor holds the key and its lock has passed.
+    await_started(&key).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let retry = send(&app, &req).await;
     if !H::STALLED_WRITER_BLOCKS_TAKEOVER {
         // The database ended the stalled executor's session at its lock, so the

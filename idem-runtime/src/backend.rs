@@ -327,8 +327,9 @@ pub enum Applied {
     TableExists,
     /// It adds this column last: in place once the table has it.
     HasColumn(&'static str),
-    /// PostgreSQL: it creates the table's record function (`<table>_record`).
-    HasRecordFunction,
+    /// PostgreSQL: it creates the table's functions (`<table>_open`,
+    /// `<table>_record`): in place once both exist.
+    HasFunctions,
 }
 
 /// What a record attempt came to.

@@ -507,7 +507,7 @@ async fn apply(
 ) -> Result<(), sqlx::Error> {
     for (script, applied) in scripts {
         let probe = match applied {
-            Applied::Rerun | Applied::HasRecordFunction => None,
+            Applied::Rerun | Applied::HasFunctions => None,
             Applied::TableExists => Some(
                 sqlx::query_scalar::<_, i64>(
                     "SELECT COUNT(*) FROM information_schema.TABLES \

@@ -102,12 +102,12 @@ const UPGRADE_2: Migration = Migration {
     applied: Applied::HasColumn("content_type"),
 };
 
-/// The record of a first execution in one statement: see the file. Shared by both
-/// layouts.
+/// The functions that open a claim's transaction and record a first execution,
+/// each in one call: see the file. Shared by both layouts.
 const UPGRADE_4: Migration = Migration {
     version: 4,
     sql: include_str!("../migrations/postgres/0004_record_function.sql"),
-    applied: Applied::HasRecordFunction,
+    applied: Applied::HasFunctions,
 };
 
 /// The savepoint the handler runs after: a handler that catches a database error
@@ -208,14 +208,25 @@ pub struct Sql {
     /// the session lock, releases that when it does.
     still_open: Arc<str>,
     table: Box<str>,
-    /// The statement that restores the session and records in one round trip
-    /// (upgrade 4), once looked up by [`Sql::find_record_function`]; `None` when
-    /// the table has no record function every role may call.
-    record_call: OnceLock<Option<Arc<str>>>,
-    /// Set when a call of the record function failed for want of the function
-    /// or of the right to call it (dropped, revoked since the look-up): from then
-    /// on this store sends the two statements.
+    /// The table's functions (upgrade 4) every role may call, once looked up by
+    /// [`Sql::find_functions`].
+    functions: OnceLock<Functions>,
+    /// Set when a call of the open function failed for want of the function or
+    /// of the right to call it (dropped, revoked since the look-up): from then on
+    /// this store opens with the statement.
+    open_call_failed: AtomicBool,
+    /// The same for the record function: from then on this store sends the two
+    /// statements.
     record_call_failed: AtomicBool,
+}
+
+/// What [`Sql::find_functions`] found of upgrade 4.
+#[derive(Debug)]
+struct Functions {
+    /// The open function's schema-qualified name.
+    open: Option<Box<str>>,
+    /// The statement that restores the session and records in one round trip.
+    record: Option<Arc<str>>,
 }
 
 /// The plain layout's migrations.
@@ -348,7 +359,8 @@ impl Driver for Postgres {
             }
             .into(),
             table: table.into(),
-            record_call: OnceLock::new(),
+            functions: OnceLock::new(),
+            open_call_failed: AtomicBool::new(false),
             record_call_failed: AtomicBool::new(false),
             lock_left: lock_left(table).into(),
             lookup: lookup.into(),
@@ -422,13 +434,14 @@ impl Driver for Postgres {
                     .fetch_one(&mut *tx)
                     .await?
                 }
-                Applied::HasRecordFunction => {
-                    sqlx::query_scalar("SELECT to_regprocedure($1) IS NOT NULL")
-                        .persistent(false)
-                        .bind(record_function(table))
-                        .fetch_one(&mut *tx)
-                        .await?
-                }
+                Applied::HasFunctions => sqlx::query_scalar(
+                    "SELECT to_regprocedure($1) IS NOT NULL AND to_regprocedure($2) IS NOT NULL",
+                )
+                .persistent(false)
+                .bind(open_function(table))
+                .bind(record_function(table))
+                .fetch_one(&mut *tx)
+                .await?,
             };
             if !in_place {
                 sqlx::raw_sql(AssertSqlSafe(script.clone()))
@@ -462,7 +475,7 @@ impl Driver for Postgres {
         // A plain INSERT when the key was free: ON CONFLICT's speculative insertion
         // cost ~8% of throughput here. A row committed between the lookup and the
         // advisory lock then shows up as a unique violation: the race was lost.
-        sql.find_record_function(conn).await?;
+        sql.find_functions(conn).await?;
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         match sql.take(&mut tx, id, claim).await {
             Ok(true) => Ok(Some(tx)),
@@ -498,7 +511,7 @@ impl Driver for Postgres {
         let Some(open) = &sql.open else {
             return look_then_claim(conn, sql, id, claim).await;
         };
-        sql.find_record_function(conn).await?;
+        sql.find_functions(conn).await?;
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
@@ -749,8 +762,9 @@ impl Sql {
     /// even if the application is frozen; the key's advisory try-lock, which never
     /// waits, its outcome kept for the claim in the transaction's setting
     /// `idem.locked` (`LOCKED`); and the handler's savepoint. All of it holds until
-    /// the transaction ends. The literals are integers and the configured table
-    /// name, never request data. The partitioned layout's claim must see every row
+    /// the transaction ends. Where the table's open function can be used (upgrade
+    /// 4), it does all of it in one call. The literals are integers and the
+    /// configured table name, never request data. The partitioned layout's claim must see every row
     /// committed before the lock was granted, which only READ COMMITTED
     /// guarantees: a snapshot taken by the statement that takes the lock predates it.
     async fn opening<'c>(
@@ -764,12 +778,26 @@ impl Sql {
         } else {
             "BEGIN"
         };
-        let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
         // PostgreSQL 17's `transaction_timeout` is armed when the transaction
         // begins: a shorter default would end every keyed transaction before its
         // lock, however often it is retried. Set to 0 first, it is disarmed; set
         // again, it counts the lock from now.
-        let whole = if conn.server_version_num().is_some_and(|v| v >= 170_000) {
+        let whole = conn.server_version_num().is_some_and(|v| v >= 170_000);
+        if let Some(open) = self.open_call() {
+            // The same in a call: a statement this short costs the server little to
+            // parse and plan on every claim, unlike the one below.
+            let seed = advisory_key(id);
+            let session = self.session;
+            return conn
+                .begin_with(AssertSqlSafe(format!(
+                    "{begin}; SELECT {open}('{seed}'::int8, {lock_ms}, {whole}, {session}); \
+                     {HANDLER_SAVEPOINT}"
+                )))
+                .await
+                .inspect_err(|error| self.open_call_failed(error));
+        }
+        let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        let whole = if whole {
             format!(
                 "set_config('transaction_timeout', '0', true), \
                  set_config('transaction_timeout', '{lock_ms}', true), "
@@ -802,47 +830,65 @@ impl Sql {
         .await
     }
 
-    /// Looks, once per store, for the table's record function (upgrade 4) in the
-    /// table's own schema, usable only if every role may call it: a handler may
-    /// have switched to any role before the call, which is resolved before it
-    /// restores the session. Asked before a claim's transaction, on the session as
-    /// the pool gave it, so that the table is the one the claims find.
-    async fn find_record_function(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-        if self.record_call.get().is_some() {
+    /// Looks, once per store, for the table's functions (upgrade 4) in the table's
+    /// own schema, each usable only if every role may call it: a handler may have
+    /// switched to any role before the record is called, which is resolved before
+    /// it restores the session; the open function is held to the same rule, so
+    /// that both are used or given up alike. Asked before a claim's transaction,
+    /// on the session as the pool gave it, so that the table is the one the
+    /// claims find.
+    async fn find_functions(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if self.functions.get().is_some() {
             return Ok(());
         }
-        let query = sqlx::query_scalar::<_, String>(
-            "SELECT format('%I.%I', n.nspname, p.proname) \
-             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
-             WHERE p.oid = to_regprocedure($1) \
-               AND p.pronamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($2)) \
-               AND has_schema_privilege('public', n.oid, 'USAGE') \
-               AND has_function_privilege('public', p.oid, 'EXECUTE')",
+        let query = sqlx::query_as::<_, (Option<String>, Option<String>)>(
+            "WITH usable AS ( \
+                SELECT p.oid, format('%I.%I', n.nspname, p.proname) AS name \
+                FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                WHERE p.oid IN (to_regprocedure($1), to_regprocedure($2)) \
+                  AND p.pronamespace = \
+                      (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($3)) \
+                  AND has_schema_privilege('public', n.oid, 'USAGE') \
+                  AND has_function_privilege('public', p.oid, 'EXECUTE')) \
+             SELECT (SELECT name FROM usable WHERE oid = to_regprocedure($1)), \
+                    (SELECT name FROM usable WHERE oid = to_regprocedure($2))",
         )
         .persistent(false)
+        .bind(open_function(&self.table))
         .bind(record_function(&self.table))
         .bind(&*self.table);
-        let found = if self.prepared {
-            query.fetch_optional(conn).await?
+        let (open, record) = if self.prepared {
+            query.fetch_one(conn).await?
         } else {
             // Through a transaction pooler, not a statement alone.
             let mut tx = read_committed(conn).await?;
-            query.fetch_optional(&mut *tx).await?
+            query.fetch_one(&mut *tx).await?
         };
         let release = if self.session { "true" } else { "false" };
-        let call = found.map(|function| {
+        let record = record.map(|function| {
             format!("SELECT {function}($1, $2, $3, $4, $5, $6, {release}, $7)").into()
         });
-        if call.is_none() {
+        if open.is_none() || record.is_none() {
             tracing::info!(
                 table = %self.table,
-                "no record function every role may call (upgrade 4): first executions \
-                 send the session's restore and the record as two statements"
+                "no open and record functions every role may call (upgrade 4): claims \
+                 send the statements they stand for"
             );
         }
         // Another claim may have looked meanwhile: it found the same.
-        let _ = self.record_call.set(call);
+        let _ = self.functions.set(Functions {
+            open: open.map(String::into_boxed_str),
+            record,
+        });
         Ok(())
+    }
+
+    /// The open function's name, unless there is none or its call failed for good.
+    fn open_call(&self) -> Option<&str> {
+        if self.open_call_failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.functions.get()?.open.as_deref()
     }
 
     /// The record function's call, unless there is none or it failed for good.
@@ -850,17 +896,27 @@ impl Sql {
         if self.record_call_failed.load(Ordering::Relaxed) {
             return None;
         }
-        self.record_call.get()?.as_ref()
+        self.functions.get()?.record.as_ref()
+    }
+
+    /// Gives the open function up when its call failed because it is gone or may
+    /// no longer be called (see [`function_gone`]): the request answers 503 with
+    /// nothing begun, and its retry opens with the statement.
+    fn open_call_failed(&self, error: &sqlx::Error) {
+        if function_gone(error) && !self.open_call_failed.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                table = %self.table,
+                %error,
+                "the open function can no longer be called; opening claims with a statement"
+            );
+        }
     }
 
     /// Gives the record function up when its call failed because it is gone or
-    /// may no longer be called (undefined function, insufficient privilege, no
-    /// such schema): the request answers 503 with nothing committed, and its
-    /// retry is recorded with the two statements.
+    /// may no longer be called (see [`function_gone`]): the request answers 503
+    /// with nothing committed, and its retry is recorded with the two statements.
     fn record_call_failed(&self, error: &sqlx::Error) {
-        let gone = matches!(error, sqlx::Error::Database(e)
-            if matches!(e.code().as_deref(), Some("42883" | "42501" | "3F000")));
-        if gone && !self.record_call_failed.swap(true, Ordering::Relaxed) {
+        if function_gone(error) && !self.record_call_failed.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 table = %self.table,
                 %error,
@@ -1091,6 +1147,18 @@ fn record_function(table: &str) -> String {
     format!("{table}_record(text, text, bigint, smallint, bytea, bytea, boolean, text)")
 }
 
+/// The open function's, likewise.
+fn open_function(table: &str) -> String {
+    format!("{table}_open(bigint, bigint, boolean, boolean)")
+}
+
+/// Whether a function's call failed because it is gone or may no longer be called:
+/// undefined function, insufficient privilege, no such schema.
+fn function_gone(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e)
+        if matches!(e.code().as_deref(), Some("42883" | "42501" | "3F000")))
+}
+
 /// Restores the session and records through the table's record function (upgrade
 /// 4), `call`: the rows recorded, or -1 when the transaction is no longer the
 /// claim's (nothing written).
@@ -1316,10 +1384,10 @@ mod tests {
         }
     }
 
-    /// The record function (upgrade 4) is used only where every role may call it,
-    /// and is found in the table's schema; its NOTIFY is on idem's channel.
+    /// The functions of upgrade 4 are used only where every role may call them, and
+    /// are found in the table's schema; the record's NOTIFY is on idem's channel.
     #[tokio::test]
-    async fn the_record_function_is_used_where_every_role_may_call_it() {
+    async fn the_functions_are_used_where_every_role_may_call_them() {
         assert!(UPGRADE_4.sql.contains(&format!("pg_notify('{CHANNEL}'")));
         let Some((url, admin)) = admin().await else {
             return;
@@ -1331,7 +1399,10 @@ mod tests {
             async move {
                 let mut conn = pool.acquire().await.expect("connection");
                 let sql = &store.inner().sql;
-                sql.find_record_function(&mut conn).await.expect("look-up");
+                sql.find_functions(&mut conn).await.expect("look-up");
+                let open = sql.open_call().map(str::to_owned);
+                // Both or neither, unless one alone was taken away.
+                assert_eq!(open.is_some(), sql.record_call().is_some(), "{open:?}");
                 sql.record_call().cloned()
             }
         };
@@ -1360,7 +1431,26 @@ mod tests {
             "open schema"
         );
 
+        let open = Idempotency::new(pool.clone());
+        let mut conn = pool.acquire().await.expect("connection");
+        open.inner()
+            .sql
+            .find_functions(&mut conn)
+            .await
+            .expect("look-up");
+        drop(conn);
+        assert_eq!(
+            open.inner().sql.open_call(),
+            Some(&*format!("{schema}.idempotency_keys_open")),
+            "open schema"
+        );
+
         admin_runs(format!("REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC")).await;
+        admin_runs(format!(
+            "REVOKE EXECUTE ON FUNCTION {schema}.{} FROM PUBLIC",
+            open_function("idempotency_keys")
+        ))
+        .await;
         assert_eq!(
             found(Idempotency::new(pool.clone())).await,
             None,
@@ -1369,6 +1459,11 @@ mod tests {
 
         // A table migrated before upgrade 4, or by a tool that skipped it.
         admin_runs(format!("DROP FUNCTION {function}")).await;
+        admin_runs(format!(
+            "DROP FUNCTION {schema}.{}",
+            open_function("idempotency_keys")
+        ))
+        .await;
         assert_eq!(
             found(Idempotency::new(pool.clone())).await,
             None,
@@ -1382,11 +1477,11 @@ mod tests {
         drop_schema(pool, &admin, &schema).await;
     }
 
-    /// A record function dropped under a running store fails one request (503,
-    /// nothing committed); its retry, and every request after it, is recorded with
-    /// the two statements.
+    /// A function of upgrade 4 dropped under a running store fails one request
+    /// (503, nothing committed); its retry, and every request after it, sends the
+    /// statements the function stood for.
     #[tokio::test]
-    async fn a_record_function_dropped_under_a_running_store_is_given_up() {
+    async fn functions_dropped_under_a_running_store_are_given_up() {
         let Some((url, admin)) = admin().await else {
             return;
         };
@@ -1422,12 +1517,36 @@ mod tests {
             let answer = store.execute(keyed(key), options, done).await;
             assert_eq!(answer.status(), 200, "{key}");
         }
-        let completed: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state = 'completed'")
-                .fetch_one(&pool)
+        assert!(
+            store.inner().sql.open_call().is_some(),
+            "still opening with it"
+        );
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP FUNCTION {schema}.{}",
+            open_function("idempotency_keys")
+        )))
+        .execute(&admin)
+        .await
+        .expect("drop");
+        let failed = store.execute(keyed("k4"), options, done).await;
+        assert_eq!(failed.status(), 503);
+        assert!(store.inner().sql.open_call().is_none(), "given up");
+        for key in ["k4", "k5"] {
+            let answer = store.execute(keyed(key), options, done).await;
+            assert_eq!(answer.status(), 200, "{key}");
+        }
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT idempotency_key, state FROM idempotency_keys ORDER BY 1")
+                .fetch_all(&pool)
                 .await
-                .expect("count");
-        assert_eq!(completed, 3);
+                .expect("rows");
+        let completed = |key: &str| (key.to_owned(), "completed".to_owned());
+        assert_eq!(
+            rows,
+            ["k1", "k2", "k3", "k4", "k5"].map(completed),
+            "every key once, none left claimed"
+        );
 
         drop_schema(pool, &admin, &schema).await;
     }

@@ -118,7 +118,7 @@ impl Driver for Sqlite {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         for (script, applied) in scripts {
             let probe = match applied {
-                Applied::Rerun | Applied::HasRecordFunction => None,
+                Applied::Rerun | Applied::HasFunctions => None,
                 Applied::TableExists => Some(
                     sqlx::query_scalar::<_, i64>(
                         "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",

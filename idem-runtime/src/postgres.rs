@@ -764,9 +764,10 @@ impl Sql {
     /// `idem.locked` (`LOCKED`); and the handler's savepoint. All of it holds until
     /// the transaction ends. Where the table's open function can be used (upgrade
     /// 4), it does all of it in one call. The literals are integers and the
-    /// configured table name, never request data. The partitioned layout's claim must see every row
-    /// committed before the lock was granted, which only READ COMMITTED
-    /// guarantees: a snapshot taken by the statement that takes the lock predates it.
+    /// configured table name, never request data. The partitioned layout's claim
+    /// must see every row committed before the lock was granted, which only READ
+    /// COMMITTED guarantees: a snapshot taken by the statement that takes the lock
+    /// predates it.
     async fn opening<'c>(
         &self,
         conn: &'c mut PgConnection,
@@ -1498,43 +1499,34 @@ mod tests {
         let options = Options::new();
         let first = store.execute(keyed("k1"), options, done).await;
         assert_eq!(first.status(), 200);
-        assert!(
-            store.inner().sql.record_call().is_some(),
-            "the function is used"
-        );
-
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP FUNCTION {schema}.{}",
-            record_function("idempotency_keys")
-        )))
-        .execute(&admin)
-        .await
-        .expect("drop");
-        let failed = store.execute(keyed("k2"), options, done).await;
-        assert_eq!(failed.status(), 503);
-        assert!(store.inner().sql.record_call().is_none(), "given up");
-        for key in ["k2", "k3"] {
-            let answer = store.execute(keyed(key), options, done).await;
-            assert_eq!(answer.status(), 200, "{key}");
-        }
-        assert!(
-            store.inner().sql.open_call().is_some(),
-            "still opening with it"
-        );
-
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "DROP FUNCTION {schema}.{}",
-            open_function("idempotency_keys")
-        )))
-        .execute(&admin)
-        .await
-        .expect("drop");
-        let failed = store.execute(keyed("k4"), options, done).await;
-        assert_eq!(failed.status(), 503);
-        assert!(store.inner().sql.open_call().is_none(), "given up");
-        for key in ["k4", "k5"] {
-            let answer = store.execute(keyed(key), options, done).await;
-            assert_eq!(answer.status(), 200, "{key}");
+        // The record function first, then the open function (still used after the
+        // record function was given up).
+        type InUse = fn(&Sql) -> bool;
+        let cases: [(String, InUse, [&str; 2]); 2] = [
+            (
+                record_function("idempotency_keys"),
+                |sql| sql.record_call().is_some(),
+                ["k2", "k3"],
+            ),
+            (
+                open_function("idempotency_keys"),
+                |sql| sql.open_call().is_some(),
+                ["k4", "k5"],
+            ),
+        ];
+        for (function, in_use, [failing, next]) in cases {
+            assert!(in_use(&store.inner().sql), "{function} is used");
+            sqlx::raw_sql(AssertSqlSafe(format!("DROP FUNCTION {schema}.{function}")))
+                .execute(&admin)
+                .await
+                .expect("drop");
+            let failed = store.execute(keyed(failing), options, done).await;
+            assert_eq!(failed.status(), 503, "{function}");
+            assert!(!in_use(&store.inner().sql), "{function} given up");
+            for key in [failing, next] {
+                let answer = store.execute(keyed(key), options, done).await;
+                assert_eq!(answer.status(), 200, "{key}");
+            }
         }
         let rows: Vec<(String, String)> =
             sqlx::query_as("SELECT idempotency_key, state FROM idempotency_keys ORDER BY 1")

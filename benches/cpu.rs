@@ -33,13 +33,14 @@
 #![allow(missing_docs)]
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use idem_axum::{Idempotency, Options, Outcome};
+use idem_axum::Outcome;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, PgPool};
 
 mod common;
-use common::{INSERT, identity, ok_response, prepare};
+use common::{INSERT, execute_insert, prepare};
 
 const VARIANTS: [&str; 4] = ["bare", "floor", "idem-first", "idem-statements"];
 
@@ -99,24 +100,6 @@ async fn floor(pool: &PgPool, key: &str) -> Result<(), sqlx::Error> {
     .execute(&mut *tx)
     .await?;
     tx.commit().await
-}
-
-async fn first(store: &Idempotency<Postgres>, key: &str) {
-    let response = store
-        .execute(identity(key), Options::new(), |mut tx| {
-            Box::pin(async move {
-                match sqlx::query(INSERT).execute(&mut *tx).await {
-                    Ok(_) => ok_response(),
-                    Err(error) => panic!("business write failed: {error}"),
-                }
-            })
-        })
-        .await;
-    assert_eq!(
-        response.extensions().get::<Outcome>(),
-        Some(&Outcome::Executed),
-        "{key}: {response:?}"
-    );
 }
 
 /// Creates schema `name`, open to every role or not.
@@ -234,8 +217,13 @@ fn main() {
                     match variant {
                         "bare" => bare(pool).await.expect("bare"),
                         "floor" => floor(pool, &key).await.expect("floor"),
-                        "idem-first" => first(&store, &key).await,
-                        _ => first(&closed_store, &key).await,
+                        "idem-first" => {
+                            execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await;
+                        }
+                        _ => {
+                            let expect = Outcome::Executed;
+                            execute_insert(&closed_store, &key, Duration::ZERO, expect).await;
+                        }
                     }
                 }
                 let (db1, app1) = (cpu_ns(&backend), cpu_ns(&me));

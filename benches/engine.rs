@@ -23,13 +23,13 @@
 
 use std::time::Duration;
 
-use idem_axum::{Backend, Idempotency, Options, Outcome};
+use idem_axum::{Backend, Idempotency, Outcome};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 mod common;
-use common::{INSERT, Settings, identity, measure, ok_response, prepare};
+use common::{INSERT, Settings, execute_insert, measure, prepare};
 
 struct Row {
     backend: &'static str,
@@ -53,26 +53,7 @@ async fn idem_variants<DB: Backend>(
 {
     // Every request must have done what its variant measures.
     let run = move |store: Idempotency<DB>, key: String, expect: Outcome| async move {
-        let response = store
-            .execute(identity(&key), Options::new(), move |mut tx| {
-                Box::pin(async move {
-                    let done = sqlx::query(INSERT).execute(&mut *tx).await;
-                    if !wait.is_zero() {
-                        tokio::time::sleep(wait).await;
-                    }
-                    match done {
-                        Ok(_) => ok_response(),
-                        Err(error) => panic!("business write failed: {error}"),
-                    }
-                })
-            })
-            .await;
-        assert!(response.status().is_success(), "{response:?}");
-        assert_eq!(
-            response.extensions().get::<Outcome>(),
-            Some(&expect),
-            "{key}"
-        );
+        execute_insert(&store, &key, wait, expect).await;
     };
 
     let suffix = if wait.is_zero() {

@@ -15,13 +15,13 @@
 
 use std::time::{Duration, Instant};
 
-use idem_axum::{Backend, Idempotency, Options, Outcome, Sweep};
+use idem_axum::{Backend, Idempotency, Outcome, Sweep};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Pool, Postgres, Sqlite};
 
 mod common;
-use common::{INSERT, Settings, identity, measure, ok_response, prepare};
+use common::{Settings, execute_insert, measure, prepare};
 
 struct Report {
     backend: &'static str,
@@ -133,24 +133,8 @@ where
     let (_, rate, p50, p99) = measure(settings, move |_, n| {
         let store = store.clone();
         async move {
-            let response = store
-                .execute(
-                    identity(&format!("{prefix}-{n}")),
-                    Options::new(),
-                    |mut tx| {
-                        Box::pin(async move {
-                            match sqlx::query(INSERT).execute(&mut *tx).await {
-                                Ok(_) => ok_response(),
-                                Err(error) => panic!("business write failed: {error}"),
-                            }
-                        })
-                    },
-                )
-                .await;
-            assert_eq!(
-                response.extensions().get::<Outcome>(),
-                Some(&Outcome::Executed)
-            );
+            let key = format!("{prefix}-{n}");
+            execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await;
         }
     })
     .await;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Method, Response, StatusCode, Uri};
 use http_body_util::Full;
-use idem_axum::{Backend, Idempotency, IdempotencyKey, RequestIdentity};
+use idem_axum::{Backend, Idempotency, IdempotencyKey, Options, Outcome, RequestIdentity};
 use sqlx::{AssertSqlSafe, Pool};
 
 pub struct Settings {
@@ -73,6 +73,39 @@ pub fn identity(key: &str) -> RequestIdentity {
     let key = IdempotencyKey::parse(key.as_bytes()).ok();
     let uri = Uri::from_static("/effects");
     RequestIdentity::new(key, "bench", &Method::POST, &uri, br#"{"amount":1}"#)
+}
+
+/// A request with key `key` whose handler makes the business write, then waits
+/// `wait` in its transaction; asserts that idem answered it with `expect`.
+pub async fn execute_insert<DB: Backend>(
+    store: &Idempotency<DB>,
+    key: &str,
+    wait: Duration,
+    expect: Outcome,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    let response = store
+        .execute(identity(key), Options::new(), move |mut tx| {
+            Box::pin(async move {
+                let done = sqlx::query(INSERT).execute(&mut *tx).await;
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+                match done {
+                    Ok(_) => ok_response(),
+                    Err(error) => panic!("business write failed: {error}"),
+                }
+            })
+        })
+        .await;
+    assert!(response.status().is_success(), "{key}: {response:?}");
+    assert_eq!(
+        response.extensions().get::<Outcome>(),
+        Some(&expect),
+        "{key}: {response:?}"
+    );
 }
 
 /// A WAL-mode SQLite file pool, created if missing, as the benches use it.

@@ -9,6 +9,7 @@
 //! cargo bench --all-features --bench http -- --growth              # also with 10^4, 10^6, 10^7 keys stored
 //! cargo bench --all-features --bench http -- --paired hand-written,idem-first   # both at once
 //! cargo bench --all-features --bench http -- --ceiling             # replays and `static` under wrk
+//! cargo bench --all-features --bench http -- --ceiling --together  # both loads at once
 //! ```
 //!
 //! Each backend is measured on its own, every run in a schema (PostgreSQL), a
@@ -1902,7 +1903,8 @@ fn main() {
                 }
             };
             if args.iter().any(|a| a == "--ceiling") {
-                ceiling(&settings, &target).await;
+                let together = args.iter().any(|a| a == "--together");
+                ceiling(&settings, &target, together).await;
                 continue;
             }
             if let Some(pair) = args
@@ -2082,10 +2084,13 @@ end
 /// answer from a handler with the same extractors and no idem), both loaded by
 /// wrk (one thread, `--connections`): at these rates the bench's own client
 /// would be what is measured. Both servers run throughout; rounds alternate
-/// which one goes first. Replays cycle over 1000 keys completed beforehand (past
-/// the store's 30 s `replay_cache_refresh`, each is read from the table once more,
-/// in whichever round that lands).
-async fn ceiling(settings: &Settings, target: &Target) {
+/// which one goes first. With `together`, both servers are loaded at once, by
+/// two wrk processes, sharing one CPU (when pinned): a slow spell of a shared
+/// machine then lands on both, and the ratio of their rates is that of the CPU
+/// each spends on a request. Replays cycle over 1000 keys completed beforehand
+/// (past the store's 30 s `replay_cache_refresh`, each is read from the table
+/// once more, in whichever round that lands).
+async fn ceiling(settings: &Settings, target: &Target, together: bool) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let script = dir.join("idem-bench-wrk.lua");
     if let Err(error) =
@@ -2119,10 +2124,11 @@ async fn ceiling(settings: &Settings, target: &Target) {
         settings.connections,
         settings.secs,
         settings.rounds,
-        if pinned {
-            ", the servers on CPU 0 and wrk on the last"
-        } else {
-            ""
+        match (pinned, together) {
+            (true, true) => ", both at once: the servers on CPU 0 and wrk on the last",
+            (true, false) => ", the servers on CPU 0 and wrk on the last",
+            (false, true) => ", both at once",
+            (false, false) => "",
         }
     );
     println!(
@@ -2130,24 +2136,31 @@ async fn ceiling(settings: &Settings, target: &Target) {
     );
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut ratios = Vec::new();
+    let servers = [&plain, &idem];
+    let prefix = format!("{schema}-replay-");
     for round in 0..settings.rounds {
         let mut measured = [None, None];
-        let order = if round % 2 == 0 { [1, 0] } else { [0, 1] };
-        for i in order {
-            let server = if i == 0 { &plain } else { &idem };
-            let before = server.cpu_seconds();
-            measured[i] = wrk(
-                settings,
-                pinned,
-                &script,
-                &server.addr,
-                &format!("{schema}-replay-"),
-                keys,
-            )
-            .map(|(rate, p99, requests)| {
-                let cpu_us = (server.cpu_seconds() - before) * 1e6 / requests.max(1.0);
-                (rate, p99, cpu_us)
-            });
+        if together {
+            let before = servers.map(Server::cpu_seconds);
+            let running =
+                servers.map(|server| wrk_start(settings, pinned, &script, server, &prefix, keys));
+            for (i, run) in running.into_iter().enumerate() {
+                measured[i] = run.and_then(wrk_end).map(|(rate, p99, requests)| {
+                    let cpu_us = (servers[i].cpu_seconds() - before[i]) * 1e6 / requests.max(1.0);
+                    (rate, p99, cpu_us)
+                });
+            }
+        } else {
+            let order = if round % 2 == 0 { [1, 0] } else { [0, 1] };
+            for i in order {
+                let before = servers[i].cpu_seconds();
+                measured[i] = wrk_start(settings, pinned, &script, servers[i], &prefix, keys)
+                    .and_then(wrk_end)
+                    .map(|(rate, p99, requests)| {
+                        let cpu_us = (servers[i].cpu_seconds() - before) * 1e6 / requests.max(1.0);
+                        (rate, p99, cpu_us)
+                    });
+            }
         }
         let [Some(plain), Some(replay)] = measured else {
             eprintln!("wrk did not run (apt-get install wrk)");
@@ -2173,16 +2186,15 @@ async fn ceiling(settings: &Settings, target: &Target) {
     }
 }
 
-/// One wrk run against `addr`: requests/s, p99 in ms and requests; `None` if
-/// wrk is missing. Any answer but 201 fails the bench: a fast error is no replay.
-fn wrk(
+/// Starts one wrk run against `server`; `None` if wrk is missing.
+fn wrk_start(
     settings: &Settings,
     pinned: bool,
     script: &std::path::Path,
-    addr: &str,
+    server: &Server,
     prefix: &str,
     keys: u64,
-) -> Option<(f64, f64, f64)> {
+) -> Option<std::process::Child> {
     let mut wrk = if pinned {
         let mut taskset = std::process::Command::new("taskset");
         taskset.args(["-c", &last_cpu().to_string(), "wrk"]);
@@ -2190,16 +2202,22 @@ fn wrk(
     } else {
         std::process::Command::new("wrk")
     };
-    let out = wrk
-        .args(["-t1", "--latency"])
+    wrk.args(["-t1", "--latency"])
         .arg(format!("-c{}", settings.connections))
         .arg(format!("-d{}s", settings.secs))
         .arg("-s")
         .arg(script)
-        .arg(format!("http://{addr}/payments"))
+        .arg(format!("http://{}/payments", server.addr))
         .args(["--", prefix, &keys.to_string(), BODY])
-        .output()
-        .ok()?;
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .ok()
+}
+
+/// Waits for a wrk run: requests/s, p99 in ms and requests. Any answer but 201
+/// fails the bench: a fast error is no replay.
+fn wrk_end(run: std::process::Child) -> Option<(f64, f64, f64)> {
+    let out = run.wait_with_output().ok()?;
     let out = String::from_utf8_lossy(&out.stdout);
     assert!(
         !out.contains("Non-2xx"),

@@ -356,7 +356,7 @@ impl<'a> Handler<'a> {
         // kept in memory (`Call::run`), unless the scope needs its value first.
         let extracting = Ident::new("__idem_extracting", Span::mixed_site());
         let (extract_now, extracted, last_received) =
-            if !self.params.is_empty() && scope_param.is_some_and(|(index, _)| index == last) {
+            if scope_param.is_some_and(|(index, _)| index == last) {
                 let now = quote! {
                     let #last_value = match #extracting.await {
                         ::std::result::Result::Ok(value) => value,

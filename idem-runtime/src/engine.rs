@@ -409,16 +409,17 @@ impl<DB: Backend> Idempotency<DB> {
         };
         let store = self.clone();
         let label = endpoint.clone();
-        // Boxed where it is built: the state machine is about 10 KiB, which the
-        // task would otherwise take by copy through every frame of `spawn`.
-        let task = tokio::spawn(Box::pin(
-            async move {
+        // Boxed where it is built, and instrumented once boxed: the state machine
+        // is about 10 KiB, which would otherwise be copied by every move, into the
+        // span's wrapper and through every frame of `spawn`.
+        let task = tokio::spawn(
+            Box::pin(async move {
                 let (outcome, response) = store.run(request, options, handler, &label).await;
                 drop(running);
                 answered(&tracing::Span::current(), outcome, response, label)
-            }
+            })
             .instrument(span),
-        ));
+        );
         match task.await {
             Ok(response) => response,
             // Only when the runtime shuts down under the task.

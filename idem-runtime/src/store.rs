@@ -329,7 +329,7 @@ impl<DB: Backend> Builder<DB> {
     /// transaction has committed, and is never replayed past its key's ttl.
     ///
     /// An entry may weigh up to 97% of an eighth of `max_bytes` (its body, headers
-    /// and request identity, and about 460 bytes more), whatever the host's cores:
+    /// and request identity, and about 380 bytes more), whatever the host's cores:
     /// about 990 KiB of body with the default 8 MiB, against the 1 MiB the default
     /// `max_response_bytes` stores. A heavier one is replayed from the table.
     ///

@@ -2140,26 +2140,28 @@ async fn ceiling(settings: &Settings, target: &Target, together: bool) {
     let prefix = format!("{schema}-replay-");
     for round in 0..settings.rounds {
         let mut measured = [None, None];
-        if together {
+        // Each group's runs go at once; the groups one after the other.
+        let groups: &[&[usize]] = match (together, round % 2) {
+            (true, _) => &[&[0, 1]],
+            (false, 0) => &[&[1], &[0]],
+            (false, _) => &[&[0], &[1]],
+        };
+        for group in groups {
             let before = servers.map(Server::cpu_seconds);
-            let running =
-                servers.map(|server| wrk_start(settings, pinned, &script, server, &prefix, keys));
-            for (i, run) in running.into_iter().enumerate() {
+            let running: Vec<_> = group
+                .iter()
+                .map(|&i| {
+                    (
+                        i,
+                        wrk_start(settings, pinned, &script, servers[i], &prefix, keys),
+                    )
+                })
+                .collect();
+            for (i, run) in running {
                 measured[i] = run.and_then(wrk_end).map(|(rate, p99, requests)| {
                     let cpu_us = (servers[i].cpu_seconds() - before[i]) * 1e6 / requests.max(1.0);
                     (rate, p99, cpu_us)
                 });
-            }
-        } else {
-            let order = if round % 2 == 0 { [1, 0] } else { [0, 1] };
-            for i in order {
-                let before = servers[i].cpu_seconds();
-                measured[i] = wrk_start(settings, pinned, &script, servers[i], &prefix, keys)
-                    .and_then(wrk_end)
-                    .map(|(rate, p99, requests)| {
-                        let cpu_us = (servers[i].cpu_seconds() - before) * 1e6 / requests.max(1.0);
-                        (rate, p99, cpu_us)
-                    });
             }
         }
         let [Some(plain), Some(replay)] = measured else {

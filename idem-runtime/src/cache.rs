@@ -409,6 +409,37 @@ mod tests {
         }
     }
 
+    /// Entries of nearly a shard each are kept one per shard, whichever way they
+    /// come in: committed here, or read from the table by a filler.
+    #[tokio::test]
+    async fn heavy_entries_are_kept_one_per_shard() {
+        for through_filler in [false, true] {
+            let cache = ReplayCache::new(512 * 1024, Duration::from_secs(30)).expect("a cache");
+            for n in 0..200u32 {
+                let mut digest = [0; 32];
+                digest[..4].copy_from_slice(&n.to_be_bytes());
+                let found = Found {
+                    body: Some(bytes::Bytes::from(vec![b'x'; 60 * 1024])),
+                    ..completed(b"", 10_000)
+                };
+                if through_filler {
+                    let Looked::Miss(Some(filler)) = cache.look(&digest).await else {
+                        panic!("{n}: a new key has no entry");
+                    };
+                    cache.keep(digest, &found, (Instant::now(), 0), Some(filler));
+                } else {
+                    cache.committed(digest, found, (Instant::now(), 0));
+                }
+            }
+            assert_eq!(
+                cache.entries.len(),
+                SHARDS,
+                "through a filler: {through_filler}"
+            );
+            assert!(cache.weight() > 480 * 1024, "{} bytes", cache.weight());
+        }
+    }
+
     #[test]
     fn zero_turns_it_off() {
         assert!(ReplayCache::new(0, Duration::from_secs(30)).is_none());

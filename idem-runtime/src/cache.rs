@@ -273,6 +273,13 @@ mod tests {
         }
     }
 
+    /// A distinct digest for each `n`.
+    fn digest_of(n: u32) -> [u8; 32] {
+        let mut digest = [0; 32];
+        digest[..4].copy_from_slice(&n.to_be_bytes());
+        digest
+    }
+
     async fn hit(cache: &ReplayCache, digest: &[u8; 32]) -> Option<Arc<Entry>> {
         match cache.look(digest).await {
             Looked::Hit(entry) => Some(entry),
@@ -368,14 +375,12 @@ mod tests {
     fn bounded_in_bytes() {
         let cache = ReplayCache::new(64 * 1024, Duration::from_secs(30)).expect("a cache");
         let body = &[b'x'; 1000];
-        for n in 0..1000u32 {
-            let mut digest = [0; 32];
-            digest[..4].copy_from_slice(&n.to_be_bytes());
+        for n in 0..1000 {
             let found = Found {
                 body: Some(bytes::Bytes::copy_from_slice(body)),
                 ..completed(b"", 10_000)
             };
-            cache.committed(digest, found, (Instant::now(), 0));
+            cache.committed(digest_of(n), found, (Instant::now(), 0));
         }
         assert!(cache.weight() <= 64 * 1024, "{} bytes", cache.weight());
         assert!(cache.weight() > 16 * 1024, "{} bytes", cache.weight());
@@ -415,9 +420,8 @@ mod tests {
     async fn heavy_entries_are_kept_one_per_shard() {
         for through_filler in [false, true] {
             let cache = ReplayCache::new(512 * 1024, Duration::from_secs(30)).expect("a cache");
-            for n in 0..200u32 {
-                let mut digest = [0; 32];
-                digest[..4].copy_from_slice(&n.to_be_bytes());
+            for n in 0..200 {
+                let digest = digest_of(n);
                 let found = Found {
                     body: Some(bytes::Bytes::from(vec![b'x'; 60 * 1024])),
                     ..completed(b"", 10_000)

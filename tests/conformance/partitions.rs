@@ -499,7 +499,7 @@ async fn maintenance_beside_a_long_handler(legacy: bool) {
         (changed, started.elapsed())
     };
     let opener = async {
-        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
         crate::app::open_gate(&gate);
     };
     let ((changed, took), during, ()) =
@@ -507,7 +507,7 @@ async fn maintenance_beside_a_long_handler(legacy: bool) {
     assert_eq!(held.await.expect("the long handler").status, 201);
     let (p50, p99, max) = spread(during.clone());
     println!(
-        "maintenance beside a 1 s handler ({}): took {took:?}; requests alone p50 {baseline_p50:?} \
+        "maintenance beside a 2 s handler ({}): took {took:?}; requests alone p50 {baseline_p50:?} \
          p99 {baseline_p99:?} max {baseline_max:?}; during p50 {p50:?} p99 {p99:?} max {max:?} \
          ({} requests)",
         if legacy {
@@ -532,9 +532,10 @@ async fn maintenance_beside_a_long_handler(legacy: bool) {
             .await
             .contains(&old)
     );
-    // Queued behind a lock for the handler's whole second, a request would take it.
+    // Queued behind a lock until the handler's gate opens, a request would take
+    // about 2 s; a loaded runner has delayed one that never queued by 433 ms.
     assert!(
-        max < Duration::from_millis(400),
+        max < Duration::from_millis(800),
         "a request waited {max:?} during maintenance (alone: {baseline_max:?})"
     );
     h.finish().await;

@@ -20,6 +20,10 @@
 //!   round trip of `BEGIN` the timeouts, the key's advisory try-lock and a
 //!   savepoint; a statement that reads the key and claims it; the write; the
 //!   record;
+//! - `floor-guarded`: the same with the two guarantees idem gives past the claim
+//!   (the HTTP bench's `hand-written-guarded`): the key's session lock, taken in
+//!   `BEGIN`'s round trip and let go in the record's, and the session state saved
+//!   there and checked by the record;
 //! - `idem-first`: `Idempotency::execute`, a new key per request, through the
 //!   table's functions (upgrade 4), its schema open to every role;
 //! - `idem-statements`: the same, on a schema closed to other roles, so the store
@@ -40,9 +44,15 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
 mod common;
-use common::{INSERT, execute_insert, prepare};
+use common::{INSERT, execute_insert, pg_floor, prepare};
 
-const VARIANTS: [&str; 4] = ["bare", "floor", "idem-first", "idem-statements"];
+const VARIANTS: [&str; 5] = [
+    "bare",
+    "floor",
+    "floor-guarded",
+    "idem-first",
+    "idem-statements",
+];
 
 /// CPU time a process has run, in nanoseconds; `None` off Linux.
 fn cpu_ns(pid: &str) -> Option<u64> {
@@ -60,17 +70,12 @@ async fn bare(pool: &PgPool) -> Result<(), sqlx::Error> {
     tx.commit().await
 }
 
-/// The HTTP bench's PostgreSQL floor, on the engine bench's tables.
-async fn floor(pool: &PgPool, key: &str) -> Result<(), sqlx::Error> {
-    let digest = <sha2::Sha256 as sha2::Digest>::digest(key.as_bytes());
-    let seed = i64::from_be_bytes(digest[..8].try_into().unwrap_or_default());
+/// The HTTP bench's PostgreSQL floor, on the engine bench's tables; `guarded`,
+/// with idem's session lock and saves (`hand-written-guarded`).
+async fn floor(pool: &PgPool, key: &str, guarded: bool) -> Result<(), sqlx::Error> {
+    let seed = pg_floor::seed(key);
     let mut tx = pool
-        .begin_with(AssertSqlSafe(format!(
-            "BEGIN; SELECT set_config('statement_timeout', '30000', true), \
-                    set_config('idle_in_transaction_session_timeout', '30000', true), \
-                    set_config('idem.locked', pg_try_advisory_xact_lock('{seed}'::int8)::text, true); \
-             SAVEPOINT handler"
-        )))
+        .begin_with(AssertSqlSafe(pg_floor::begin(seed, guarded)))
         .await?;
     let claimed: Option<i64> = sqlx::query_scalar(
         "WITH found AS MATERIALIZED ( \
@@ -91,14 +96,15 @@ async fn floor(pool: &PgPool, key: &str) -> Result<(), sqlx::Error> {
     .await?;
     assert!(claimed.is_some(), "the floor claimed {key}");
     sqlx::query(INSERT).execute(&mut *tx).await?;
-    sqlx::query(
-        "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
-         WHERE scope = '' AND idempotency_key = $1 AND lease = 1",
-    )
-    .bind(key)
-    .bind(br#"{"ok":true}"#.as_slice())
-    .execute(&mut *tx)
-    .await?;
+    let mut record = sqlx::query(AssertSqlSafe(pg_floor::record(guarded)))
+        .bind(key)
+        .bind(br#"{"ok":true}"#.as_slice());
+    if guarded {
+        let (high, low) = pg_floor::halves(seed);
+        record = record.bind(high).bind(low);
+    }
+    let done = record.execute(&mut *tx).await?;
+    assert_eq!(done.rows_affected(), 1, "the floor recorded {key}");
     tx.commit().await
 }
 
@@ -216,7 +222,8 @@ fn main() {
                     let key = format!("k-{n}");
                     match variant {
                         "bare" => bare(pool).await.expect("bare"),
-                        "floor" => floor(pool, &key).await.expect("floor"),
+                        "floor" => floor(pool, &key, false).await.expect("floor"),
+                        "floor-guarded" => floor(pool, &key, true).await.expect("floor"),
                         "idem-first" => {
                             execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await;
                         }

@@ -35,7 +35,9 @@
 //!   statement that reads the key and claims it if the lock was granted, the
 //!   write, the record (`hand-written-minimal`, only when `--paired` or `--only`
 //!   names it: without the timeouts and the savepoint, the try-lock in the
-//!   claim). MySQL: in
+//!   claim; `hand-written-guarded`, likewise: with the two guarantees idem gives
+//!   past the claim, its session lock and session saves, `common/pg_floor.rs`).
+//!   MySQL: in
 //!   the round trip of `BEGIN` the session's timeouts set, the key's
 //!   `GET_LOCK(…, 0)` and, before the `BEGIN`, a check that fails unless it was
 //!   taken and the key has no row, the write, the record inserted, the lock freed
@@ -80,6 +82,8 @@
 
 #![allow(missing_docs)]
 
+#[path = "common/pg_floor.rs"]
+mod pg_floor;
 #[path = "common/shop.rs"]
 mod shop;
 
@@ -207,19 +211,48 @@ fn answer_stored(found: Option<(String, Option<Vec<u8>>)>) -> Option<(StatusCode
     }
 }
 
+/// Which of PostgreSQL's hand-written floors a request runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PgFloor {
+    /// `hand-written-minimal`: without the savepoint and the timeouts, the
+    /// try-lock in the claim.
+    Minimal,
+    /// `hand-written`.
+    Plain,
+    /// `hand-written-guarded`: also the two guarantees idem gives past the claim
+    /// (see `pg_floor`).
+    Guarded,
+}
+
 /// PostgreSQL's floor for a new key: in the round trip of `BEGIN`, the
 /// transaction's timeouts, the key's advisory try-lock (its outcome in a setting
 /// the claim reads) and the handler's savepoint; one statement that reads the key
-/// and, when absent and locked, claims it; the write; the record. `FAITHFUL =
-/// false` (`hand-written-minimal`): without the savepoint and the timeouts, the
-/// try-lock in the claim.
+/// and, when absent and locked, claims it; the write; the record. See [`PgFloor`]
+/// for the others.
 async fn hand_written<const FAITHFUL: bool>(
     State(app): State<App<Postgres>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let floor = if FAITHFUL {
+        PgFloor::Plain
+    } else {
+        PgFloor::Minimal
+    };
     by_hand(&headers, &body, |key, new| async move {
-        floor_postgres(&app, key, new, FAITHFUL).await
+        floor_postgres(&app, key, new, floor).await
+    })
+    .await
+}
+
+/// [`PgFloor::Guarded`].
+async fn hand_written_guarded(
+    State(app): State<App<Postgres>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        floor_postgres(&app, key, new, PgFloor::Guarded).await
     })
     .await
 }
@@ -228,26 +261,22 @@ async fn floor_postgres(
     app: &App<Postgres>,
     key: String,
     new: NewPayment,
-    faithful: bool,
+    floor: PgFloor,
 ) -> Floor {
-    let (mut tx, locked) = if faithful {
-        // The lock's seed computed here, as idem computes its own: no request
-        // text in the SQL.
-        let digest = <sha2::Sha256 as sha2::Digest>::digest(key.as_bytes());
-        let seed = i64::from_be_bytes(digest[..8].try_into().unwrap_or_default());
-        let begin = format!(
-            "BEGIN; SELECT set_config('statement_timeout', '30000', true), \
-                    set_config('idle_in_transaction_session_timeout', '30000', true), \
-                    set_config('idem.locked', pg_try_advisory_xact_lock('{seed}'::int8)::text, true); \
-             SAVEPOINT handler"
-        );
-        let tx = app.pool.begin_with(AssertSqlSafe(begin)).await?;
-        (tx, "current_setting('idem.locked', true) = 'true'")
-    } else {
+    let guarded = floor == PgFloor::Guarded;
+    let mut seed = 0;
+    let (mut tx, locked) = if floor == PgFloor::Minimal {
         (
             app.pool.begin().await?,
             "pg_try_advisory_xact_lock(hashtext($1))",
         )
+    } else {
+        seed = pg_floor::seed(&key);
+        let tx = app
+            .pool
+            .begin_with(AssertSqlSafe(pg_floor::begin(seed, guarded)))
+            .await?;
+        (tx, "current_setting('idem.locked', true) = 'true'")
     };
     // The claim's lease, or what is stored: state and response body.
     type Seen = (Option<i64>, Option<String>, Option<Vec<u8>>);
@@ -268,23 +297,44 @@ async fn floor_postgres(
     .bind(&key)
     .fetch_one(&mut *tx)
     .await;
-    match seen {
-        Ok((Some(_), _, _)) => {}
+    let answer = match seen {
+        Ok((Some(_), _, _)) => None,
         Ok((None, Some(state), stored)) if state == "completed" => {
-            return Ok((StatusCode::CREATED, stored.unwrap_or_default()));
+            Some((StatusCode::CREATED, stored.unwrap_or_default()))
         }
-        _ => return Ok((StatusCode::CONFLICT, Vec::new())),
+        _ => Some((StatusCode::CONFLICT, Vec::new())),
+    };
+    if let Some(answer) = answer {
+        if guarded {
+            // Not claimed: the session lock, if taken, would outlive the rollback.
+            let (high, low) = pg_floor::halves(seed);
+            sqlx::raw_sql("ROLLBACK TO SAVEPOINT handler")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "SELECT CASE WHEN current_setting('idem.locked', true) = 'true' \
+                 THEN pg_advisory_unlock($1, $2) END",
+            )
+            .bind(high)
+            .bind(low)
+            .execute(&mut *tx)
+            .await?;
+        }
+        return Ok(answer);
     }
     let payment = Postgres::insert(&mut tx, &key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
-    sqlx::query(
-        "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', body = $2 \
-         WHERE scope = '' AND idempotency_key = $1 AND lease = 1",
-    )
-    .bind(&key)
-    .bind(&out)
-    .execute(&mut *tx)
-    .await?;
+    let mut record = sqlx::query(AssertSqlSafe(pg_floor::record(guarded)))
+        .bind(&key)
+        .bind(&out);
+    if guarded {
+        let (high, low) = pg_floor::halves(seed);
+        record = record.bind(high).bind(low);
+    }
+    let done = record.execute(&mut *tx).await?;
+    if done.rows_affected() != 1 {
+        return Ok((StatusCode::INTERNAL_SERVER_ERROR, Vec::new()));
+    }
     tx.commit().await?;
     Ok((StatusCode::CREATED, out))
 }
@@ -715,6 +765,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
             let floors = vec![
                 ("hand-written", post(hand_written::<true>)),
                 ("hand-written-minimal", post(hand_written::<false>)),
+                ("hand-written-guarded", post(hand_written_guarded)),
             ];
             serve_on(pool, size, floors).await
         }
@@ -1959,7 +2010,8 @@ fn main() {
 /// half the connections, so that whatever the machine does meanwhile lands on
 /// both; `b`'s rate over `a`'s, per round, and each server's CPU time per request.
 /// New keys only (`bare`, `hand-written`, `idem-first`; on PostgreSQL also
-/// `hand-written-minimal`, the floor without the savepoint and the timeouts; on
+/// `hand-written-minimal`, the floor without the savepoint and the timeouts, and
+/// `hand-written-guarded`, the floor with idem's session lock and saves; on
 /// MySQL `hand-written-previous`, the floor of the design before the claim's
 /// check rode on `BEGIN`, `hand-written-minimal`, the write and the record
 /// alone, `hand-written-parts` and `hand-written-row`).
@@ -1968,6 +2020,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         "bare" => Some(("bare", "bare")),
         "hand-written" => Some(("hand-written", "hand-written")),
         "hand-written-minimal" => Some(("hand-written-minimal", "hand-written-minimal")),
+        "hand-written-guarded" => Some(("hand-written-guarded", "hand-written-guarded")),
         "hand-written-previous" => Some(("hand-written-previous", "hand-written-previous")),
         "hand-written-parts" => Some(("hand-written-parts", "hand-written-parts")),
         "hand-written-row" => Some(("hand-written-row", "hand-written-row")),
@@ -1980,7 +2033,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
     else {
         eprintln!(
             "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL, MySQL), \
-             hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
+             hand-written-guarded (PostgreSQL), hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
              idem-first: {pair:?}"
         );
         return;
@@ -2034,7 +2087,13 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         for (workers, ((_, _, server), before)) in
             loads.into_iter().zip(servers.iter().zip(cpu_before))
         {
-            let (latencies, _) = Load::finish(workers).await;
+            let (latencies, statuses) = Load::finish(workers).await;
+            // New keys only: any other answer would be counted as served.
+            assert!(
+                statuses.keys().all(|status| *status == 201),
+                "{}: answers {statuses:?}",
+                server.addr
+            );
             let served = latencies.len().max(1) as f64;
             cpu_us.push((server.cpu_seconds() - before) * 1e6 / served);
             rates.push(latencies.len() as f64 / settings.secs as f64);
@@ -2311,6 +2370,9 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         // Bounds rather than designs: run only when asked for.
         if only.contains(&"hand-written-minimal") && !matches!(target, Target::Sqlite { .. }) {
             variants.insert(2, ("hand-written-minimal", "hand-written-minimal"));
+        }
+        if only.contains(&"hand-written-guarded") && matches!(target, Target::Postgres { .. }) {
+            variants.insert(2, ("hand-written-guarded", "hand-written-guarded"));
         }
         for bound in ["hand-written-parts", "hand-written-row"] {
             if only.contains(&bound) && matches!(target, Target::MySql { .. }) {

@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod pg_floor;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

@@ -1,11 +1,13 @@
 //! PostgreSQL's hand-written floors, shared by the HTTP and CPU benches: the
 //! statements around the claim, with or without the two guarantees idem gives
-//! past it (docs/backends.md, "What a first execution costs"): the key's session
+//! past it (docs/backends.md, PostgreSQL's section): the key's session
 //! lock, which keeps duplicates out after a handler's own `COMMIT`, and the
 //! session state saved in the transaction, which the record checks before it
 //! writes.
 
 #![allow(dead_code, unreachable_pub)]
+
+use std::sync::LazyLock;
 
 /// The session state idem saves in the transaction (idem-runtime/src/postgres.rs,
 /// `SAVE_SESSION`), one setting each.
@@ -55,28 +57,32 @@ pub fn begin(seed: i64, guarded: bool) -> String {
 /// The record: the key (`$1`) completed with the body `$2`. `guarded`, in the
 /// same round trip, as idem's: the transaction still the claim's, the session as
 /// saved (the common case; a handler that changed it would need a statement
-/// more), the session lock (`$3`, `$4`: [`halves`]) let go.
-pub fn record(guarded: bool) -> String {
-    let update = "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = '', \
-                  body = $2 WHERE scope = '' AND idempotency_key = $1 AND lease = 1";
-    if !guarded {
-        return update.to_owned();
-    }
-    let (current, saved): (Vec<_>, Vec<_>) = SAVED
-        .iter()
-        .map(|name| {
-            (
-                format!("current_setting('{name}')"),
-                format!("current_setting('idem.{name}', true)"),
-            )
-        })
-        .unzip();
-    format!(
-        "WITH guard AS (SELECT ({}) IS NOT DISTINCT FROM ({}) AND \
-             CASE WHEN current_setting('idem.locked', true) = 'true' \
-                  THEN pg_advisory_unlock($3, $4) ELSE false END AS ours) \
-         {update} AND (SELECT ours FROM guard)",
-        current.join(", "),
-        saved.join(", ")
-    )
+/// more), the session lock (`$3`, `$4`: [`halves`]) let go. Built once, as a
+/// hand-written statement would be.
+pub fn record(guarded: bool) -> &'static str {
+    static GUARDED: LazyLock<String> = LazyLock::new(|| {
+        let (current, saved): (Vec<_>, Vec<_>) = SAVED
+            .iter()
+            .map(|name| {
+                (
+                    format!("current_setting('{name}')"),
+                    format!("current_setting('idem.{name}', true)"),
+                )
+            })
+            .unzip();
+        format!(
+            "WITH guard AS (SELECT ({}) IS NOT DISTINCT FROM ({}) AND \
+                 CASE WHEN current_setting('idem.locked', true) = 'true' \
+                      THEN pg_advisory_unlock($3, $4) ELSE false END AS ours) \
+             {UPDATE} AND (SELECT ours FROM guard)",
+            current.join(", "),
+            saved.join(", ")
+        )
+    });
+    if guarded { &GUARDED } else { UPDATE }
 }
+
+/// The plain floor's record.
+const UPDATE: &str = "UPDATE idempotency_keys SET state = 'completed', status = 201, \
+                      headers = '', body = $2 WHERE scope = '' AND idempotency_key = $1 \
+                      AND lease = 1";

@@ -1306,6 +1306,7 @@ fn new_lease() -> i64 {
 
 /// 64 random bits from the operating system, or, where it fails, from std's
 /// randomly keyed hasher over the time.
+#[cfg(any(feature = "client", feature = "postgres", feature = "testing"))]
 pub(crate) fn random_u64() -> u64 {
     getrandom::u64().unwrap_or_else(|_| {
         use std::hash::{BuildHasher, RandomState};

@@ -5,7 +5,7 @@
 //! session state saved in the transaction, which the record checks before it
 //! writes.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(unreachable_pub)]
 
 use std::sync::LazyLock;
 

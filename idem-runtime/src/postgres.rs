@@ -3,6 +3,7 @@
 //! The design and its measured cost are described in `docs/backends.md`; the SQL
 //! below is all this backend runs.
 
+use std::fmt::Write as _;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -19,7 +20,7 @@ use crate::backend::{
     look_then_claim,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
-use crate::key::to_hex;
+use crate::key::{push_hex, to_hex};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
@@ -309,21 +310,19 @@ impl Prepared {
     }
 }
 
-/// `text` as a literal of a text query: hex digits, which cannot end it.
-fn text_literal(text: &str) -> String {
-    format!(
-        "convert_from(decode('{}', 'hex'), 'UTF8')",
-        to_hex(text.as_bytes())
-    )
+/// Appends `bytes` as a `bytea` literal of a text query: hex digits, which cannot
+/// end it.
+fn push_bytes(out: &mut String, bytes: &[u8]) {
+    out.push_str("decode('");
+    push_hex(out, bytes);
+    out.push_str("', 'hex')");
 }
 
-/// `id`'s row as a condition of a text query.
-fn key_literal(id: &Identity<'_>) -> String {
-    format!(
-        "scope = {} AND idempotency_key = {}",
-        text_literal(id.scope),
-        text_literal(id.key)
-    )
+/// Appends `text` as a literal of a text query, likewise.
+fn push_text(out: &mut String, text: &str) {
+    out.push_str("convert_from(");
+    push_bytes(out, text.as_bytes());
+    out.push_str(", 'UTF8')");
 }
 
 impl OneTrip {
@@ -356,25 +355,36 @@ impl OneTrip {
         }
     }
 
-    /// The round trip: `begin`, the open, the savepoint, the claim.
+    /// The round trip: `BEGIN`, the open, the savepoint, the claim. Built in one
+    /// buffer: it is sent for every new key.
     fn text(&self, open: &Prepared, id: &Identity<'_>, claim: Claim) -> String {
-        let seed = advisory_key(id);
-        format!(
-            "BEGIN; EXECUTE {}('{seed}', '{}'); {HANDLER_SAVEPOINT}; \
-             EXECUTE {}({}, {}, '{}', {}, {}, decode('{}', 'hex'), '{}', '{}', {})",
-            open.name,
+        let texts = [id.scope, id.key, id.method, id.path];
+        let hex: usize = texts.iter().map(|text| text.len()).sum::<usize>()
+            + id.content_type.len()
+            + id.fingerprint.len();
+        let mut out = String::with_capacity(400 + 2 * hex);
+        out.push_str("BEGIN; EXECUTE ");
+        out.push_str(&open.name);
+        let _ = write!(
+            out,
+            "('{}', '{}'); {HANDLER_SAVEPOINT}; EXECUTE {}(",
+            advisory_key(id),
             claim.lock_ms,
-            self.claim.name,
-            text_literal(id.scope),
-            text_literal(id.key),
-            claim.lease,
-            text_literal(id.method),
-            text_literal(id.path),
-            to_hex(id.fingerprint),
-            claim.lock_ms,
-            claim.ttl_ms,
-            text_literal(id.content_type),
-        )
+            self.claim.name
+        );
+        for (n, text) in texts.into_iter().enumerate() {
+            push_text(&mut out, text);
+            // The lease goes after the key.
+            if n == 1 {
+                let _ = write!(out, ", '{}'", claim.lease);
+            }
+            out.push_str(", ");
+        }
+        push_bytes(&mut out, id.fingerprint);
+        let _ = write!(out, ", '{}', '{}', ", claim.lock_ms, claim.ttl_ms);
+        push_text(&mut out, id.content_type);
+        out.push(')');
+        out
     }
 
     /// Opens with the key claimed; `Ok(None)` when the claim did not take, with
@@ -448,13 +458,14 @@ impl OneTrip {
         conn: &mut PgConnection,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
-        let rows = sqlx::raw_sql(AssertSqlSafe(format!(
-            "{}{}) AS found ON true; ROLLBACK",
-            self.found,
-            key_literal(id)
-        )))
-        .fetch_all(conn)
-        .await?;
+        let mut text = String::with_capacity(self.found.len() + 200);
+        text.push_str(&self.found);
+        text.push_str("scope = ");
+        push_text(&mut text, id.scope);
+        text.push_str(" AND idempotency_key = ");
+        push_text(&mut text, id.key);
+        text.push_str(") AS found ON true; ROLLBACK");
+        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
         let Some(row) = rows.first() else {
             return Err(sqlx::Error::RowNotFound);
         };

@@ -3,7 +3,6 @@
 //! The design and its measured cost are described in `docs/backends.md`; the SQL
 //! below is all this backend runs.
 
-use std::fmt::Write as _;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -20,12 +19,10 @@ use crate::backend::{
     look_then_claim,
 };
 use crate::backend::{KeyRecord, Query, delete_completed, fetch};
-use crate::key::{push_hex, to_hex};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
 use crate::signal::signal_of;
-use crate::tx::{Adopted, Open};
 
 /// What a claim requires: that the keyed transaction holds the key's advisory
 /// lock, as [`Sql::opening`] left it in the transaction's setting `idem.locked`.
@@ -87,49 +84,6 @@ fn session_lock(key: &str) -> String {
 /// `idem.key` when it takes the session lock: statements after the handler find
 /// it whatever `search_path` the handler left.
 const KEPT_KEY: &str = "current_setting('idem.key', true)::int8";
-
-/// Whether the server has PostgreSQL 17's `transaction_timeout`, armed when the
-/// transaction begins: a shorter default would end every keyed transaction before
-/// its lock, however often it is retried, so a claim sets it again.
-fn counts_whole(conn: &PgConnection) -> bool {
-    conn.server_version_num().is_some_and(|v| v >= 170_000)
-}
-
-/// What opens a claim's transaction (see [`Sql::opening`]): the timeouts that end
-/// it at its lock (`lock`, milliseconds as text), also PostgreSQL 17's
-/// `transaction_timeout` when `whole`; the key's transaction try-lock for seed
-/// `seed` and, with `session`, its session lock, tried only once the first is held
-/// (a claim holds both or neither), the outcome in `idem.locked`; and the session
-/// state saved ([`SAVE_SESSION`]). `seed` and `lock` are literals or parameters.
-fn open_statement(table: &str, seed: &str, lock: &str, whole: bool, session: bool) -> String {
-    // Set to 0 first, `transaction_timeout` is disarmed; set again, it counts the
-    // lock from now.
-    let whole = if whole {
-        format!(
-            "set_config('transaction_timeout', '0', true), \
-             set_config('transaction_timeout', {lock}, true), "
-        )
-    } else {
-        String::new()
-    };
-    let locked = if session {
-        format!(
-            "set_config('idem.key', key.k::text, true), \
-             set_config('idem.locked', (CASE WHEN pg_try_advisory_xact_lock(key.k) \
-                 THEN pg_try_advisory_lock({}) ELSE false END)::text, true)",
-            session_lock("key.k")
-        )
-    } else {
-        "set_config('idem.locked', pg_try_advisory_xact_lock(key.k)::text, true)".to_owned()
-    };
-    format!(
-        "SELECT set_config('statement_timeout', {lock}, true), \
-                set_config('idle_in_transaction_session_timeout', {lock}, true), \
-                {whole}{locked}, {SAVE_SESSION} \
-         FROM (SELECT {} AS k) AS key",
-        lock_id(table, seed)
-    )
-}
 
 /// Releases the key's session lock when the transaction still holds the claim's
 /// (`idem.locked`), as a value; `also`, a further condition.
@@ -238,9 +192,6 @@ pub struct Sql {
     partitioned: bool,
     /// Plain layout only: the lookup that also claims the key when it finds nothing.
     open: Option<Arc<str>>,
-    /// Plain layout on a session of its own: a new key claimed in the round trip
-    /// of its `BEGIN`.
-    one_trip: Option<OneTrip>,
     /// Statements stay prepared on their connection: not through a transaction
     /// pooler, where every statement is sent unprepared and inside a transaction.
     prepared: bool,
@@ -267,221 +218,6 @@ pub struct Sql {
     /// The same for the record function: from then on this store sends the two
     /// statements.
     record_call_failed: AtomicBool,
-}
-
-/// A new key claimed in the round trip of its `BEGIN`, which sqlx sends as a text
-/// query of its own: the transaction opened (the timeouts, the key's locks, the
-/// saves), the handler's savepoint, then the claim. The open and the claim are
-/// prepared on the session (`PREPARE`, once per connection), so that neither is
-/// parsed and planned per claim; the request's values go in as hex literals, which
-/// cannot end a literal. The claim fails unless it claims (its `locked_until`
-/// left null: the key is stored, or locked by another executor), so that the
-/// `BEGIN` succeeds with the key claimed or not at all; then [`OneTrip::found`]
-/// reads what is stored in the next round trip. Plain layout, not through a
-/// transaction pooler (which keeps no session's statements).
-#[derive(Debug)]
-struct OneTrip {
-    /// The open statement, without and with `transaction_timeout` ([`counts_whole`]).
-    open: [Prepared; 2],
-    claim: Prepared,
-    /// After a claim that did not take, up to the key's condition: back to the
-    /// savepoint, the session lock let go, the key's row read.
-    found: Box<str>,
-}
-
-/// A statement prepared on the session, named after its text's digest: stores of
-/// other tables or settings on the same pool prepare their own.
-#[derive(Debug)]
-struct Prepared {
-    name: Box<str>,
-    /// `PREPARE <name> (<types>) AS <text>`.
-    prepare: Box<str>,
-}
-
-impl Prepared {
-    fn new(kind: &str, types: &str, text: &str) -> Self {
-        let digest = <sha2::Sha256 as sha2::Digest>::digest(text.as_bytes());
-        let name = format!("idem_{kind}_{}", to_hex(&digest[..8]));
-        let prepare = format!("PREPARE {name} ({types}) AS {text}").into();
-        Self {
-            name: name.into(),
-            prepare,
-        }
-    }
-}
-
-/// Appends `bytes` as a `bytea` literal of a text query: hex digits, which cannot
-/// end it.
-fn push_bytes(out: &mut String, bytes: &[u8]) {
-    out.push_str("decode('");
-    push_hex(out, bytes);
-    out.push_str("', 'hex')");
-}
-
-/// Appends `text` as a literal of a text query, likewise.
-fn push_text(out: &mut String, text: &str) {
-    out.push_str("convert_from(");
-    push_bytes(out, text.as_bytes());
-    out.push_str(", 'UTF8')");
-}
-
-impl OneTrip {
-    /// On a session of its own, so with the key's session lock.
-    fn new(table: &str, columns: &str, insert: impl Fn(&str) -> String) -> Self {
-        let open = |whole| {
-            let text = open_statement(table, "$1", "$2", whole, true);
-            Prepared::new("open", "int8, text", &text)
-        };
-        // Null unless the key is locked and has no row.
-        let until = format!(
-            "CASE WHEN {LOCKED} AND NOT EXISTS \
-                 (SELECT 1 FROM {table} WHERE scope = $1 AND idempotency_key = $2) \
-             THEN clock_timestamp() + $7::float8 * interval '1 millisecond' END"
-        );
-        Self {
-            open: [open(false), open(true)],
-            claim: Prepared::new(
-                "claim",
-                "text, text, int8, text, text, bytea, int8, int8, text",
-                &insert(&until),
-            ),
-            found: format!(
-                "{BACK_TO_HANDLER_SAVEPOINT}; \
-                 SELECT {} AS released, found.* FROM (VALUES (1)) AS one (x) \
-                 LEFT JOIN (SELECT {columns} FROM {table} WHERE ",
-                release_if_locked("")
-            )
-            .into(),
-        }
-    }
-
-    /// The round trip: `BEGIN`, the open, the savepoint, the claim. Built in one
-    /// buffer: it is sent for every new key.
-    fn text(&self, open: &Prepared, id: &Identity<'_>, claim: Claim) -> String {
-        let texts = [id.scope, id.key, id.method, id.path];
-        let hex: usize = texts.iter().map(|text| text.len()).sum::<usize>() + id.content_type.len();
-        // About 510 bytes besides the texts' hex (the fingerprint's included):
-        // one allocation, and under glibc's large-request threshold for short texts.
-        let mut out = String::with_capacity(512 + 2 * hex);
-        out.push_str("BEGIN; EXECUTE ");
-        out.push_str(&open.name);
-        let _ = write!(
-            out,
-            "('{}', '{}'); {HANDLER_SAVEPOINT}; EXECUTE {}(",
-            advisory_key(id),
-            claim.lock_ms,
-            self.claim.name
-        );
-        for (n, text) in texts.into_iter().enumerate() {
-            push_text(&mut out, text);
-            // The lease goes after the key.
-            if n == 1 {
-                let _ = write!(out, ", '{}'", claim.lease);
-            }
-            out.push_str(", ");
-        }
-        push_bytes(&mut out, id.fingerprint);
-        let _ = write!(out, ", '{}', '{}', ", claim.lock_ms, claim.ttl_ms);
-        push_text(&mut out, id.content_type);
-        out.push(')');
-        out
-    }
-
-    /// Opens with the key claimed; `Ok(None)` when the claim did not take, with
-    /// the transaction still open in its failed state.
-    async fn claim(
-        &self,
-        conn: &mut PgConnection,
-        sql: &Sql,
-        id: &Identity<'_>,
-        claim: Claim,
-    ) -> Result<Option<Adopted>, sqlx::Error> {
-        let open = &self.open[usize::from(counts_whole(conn))];
-        let mut prepared = false;
-        loop {
-            let error = match conn
-                .begin_with(AssertSqlSafe(self.text(open, id, claim)))
-                .await
-            {
-                Ok(tx) => return Ok(Some(Open::adopt(tx))),
-                Err(error) => error,
-            };
-            match error.as_database_error().and_then(|e| e.code()).as_deref() {
-                // Taken, stored, or committed since the snapshot (a unique violation).
-                Some("23502") if not_null_column(&error) == Some("locked_until") => {
-                    return Ok(None);
-                }
-                Some("23505") => return Ok(None),
-                // This session has not prepared the statements yet, or lost them.
-                Some("26000") if !prepared => {
-                    self.prepare(conn, sql, open, id).await?;
-                    prepared = true;
-                }
-                _ => return Err(error),
-            }
-        }
-    }
-
-    /// Prepares on the session what the round trip lacked, once its failed
-    /// transaction is rolled back and the key's session lock let go (the open
-    /// may have taken it before the claim was found missing).
-    async fn prepare(
-        &self,
-        conn: &mut PgConnection,
-        sql: &Sql,
-        open: &Prepared,
-        id: &Identity<'_>,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {}", sql.releasing(id))))
-            .execute(&mut *conn)
-            .await?;
-        let have: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name IN ($1, $2)")
-                .persistent(false)
-                .bind(&*open.name)
-                .bind(&*self.claim.name)
-                .fetch_all(&mut *conn)
-                .await?;
-        let missing: String = [open, &self.claim]
-            .into_iter()
-            .filter(|statement| !have.iter().any(|name| **name == *statement.name))
-            .map(|statement| format!("{}; ", statement.prepare))
-            .collect();
-        sqlx::raw_sql(AssertSqlSafe(missing)).execute(conn).await?;
-        Ok(())
-    }
-
-    /// After a claim that did not take: what is stored under the key, read in the
-    /// claim's transaction (as the claim would have read it), which then ends.
-    async fn found(
-        &self,
-        conn: &mut PgConnection,
-        id: &Identity<'_>,
-    ) -> Result<Option<Found>, sqlx::Error> {
-        let mut text = String::with_capacity(self.found.len() + 200);
-        text.push_str(&self.found);
-        text.push_str("scope = ");
-        push_text(&mut text, id.scope);
-        text.push_str(" AND idempotency_key = ");
-        push_text(&mut text, id.key);
-        text.push_str(") AS found ON true; ROLLBACK");
-        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
-        let Some(row) = rows.first() else {
-            return Err(sqlx::Error::RowNotFound);
-        };
-        if row.try_get::<Option<String>, _>("state")?.is_none() {
-            return Ok(None);
-        }
-        Found::decode(row).map(Some)
-    }
-}
-
-/// The column of a not-null violation.
-fn not_null_column(error: &sqlx::Error) -> Option<&str> {
-    error
-        .as_database_error()?
-        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?
-        .column()
 }
 
 /// What [`Sql::find_functions`] found of upgrade 4.
@@ -548,17 +284,14 @@ impl Driver for Postgres {
                          AS ttl_left_ms";
         let lookup =
             format!("SELECT {columns} FROM {table} WHERE scope = $1 AND idempotency_key = $2");
-        // `until`: the claim's `locked_until`.
-        let insert_until = |until: &str| {
-            format!(
-                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                        fingerprint, locked_until, expires_at, created_at, content_type) \
-                 SELECT $1, $2, 'processing', $3, $4, $5, $6, {until}, \
-                        clock_timestamp() + $8::float8 * interval '1 millisecond', \
-                        clock_timestamp(), $9"
-            )
-        };
-        let insert = insert_until("clock_timestamp() + $7::float8 * interval '1 millisecond'");
+        let insert = format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                    fingerprint, locked_until, expires_at, created_at, content_type) \
+             SELECT $1, $2, 'processing', $3, $4, $5, $6, \
+                    clock_timestamp() + $7::float8 * interval '1 millisecond', \
+                    clock_timestamp() + $8::float8 * interval '1 millisecond', \
+                    clock_timestamp(), $9"
+        );
         let session = !layout.transaction_pooled;
         // With the session lock, a statement that could claim lets the lock go
         // when it did not.
@@ -610,7 +343,6 @@ impl Driver for Postgres {
         );
         Sql {
             partitioned,
-            one_trip: (!partitioned && session).then(|| OneTrip::new(table, columns, insert_until)),
             open,
             prepared: !layout.transaction_pooled,
             session,
@@ -775,22 +507,11 @@ impl Driver for Postgres {
     ) -> Result<Opened<'c, Postgres>, sqlx::Error> {
         // A completed key this process committed or read lately is answered from
         // its replay cache before this; any other is probably new, so it is
-        // claimed in the round trip of `BEGIN` (`OneTrip`) or, through a
-        // transaction pooler, in the statement that reads it.
+        // claimed in the statement that reads it.
         let Some(open) = &sql.open else {
             return look_then_claim(conn, sql, id, claim).await;
         };
         sql.find_functions(conn).await?;
-        if let Some(one) = &sql.one_trip {
-            if let Some(adopted) = one.claim(conn, sql, id, claim).await? {
-                return Ok(Opened::Adopted(adopted));
-            }
-            return Ok(match one.found(conn, id).await? {
-                Some(found) => Opened::Found(found),
-                // Not visible yet, and the lock is taken: another executor is at work.
-                None => Opened::Lost,
-            });
-        }
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         let row = claim
             .bind(id, sqlx::query(AssertSqlSafe(open.clone())))
@@ -1058,7 +779,11 @@ impl Sql {
         } else {
             "BEGIN"
         };
-        let whole = counts_whole(conn);
+        // PostgreSQL 17's `transaction_timeout` is armed when the transaction
+        // begins: a shorter default would end every keyed transaction before its
+        // lock, however often it is retried. Set to 0 first, it is disarmed; set
+        // again, it counts the lock from now.
+        let whole = conn.server_version_num().is_some_and(|v| v >= 170_000);
         if let Some(open) = self.open_call() {
             // The same in a call: a statement this short costs the server little to
             // parse and plan on every claim, unlike the one below.
@@ -1072,15 +797,36 @@ impl Sql {
                 .await
                 .inspect_err(|error| self.open_call_failed(error));
         }
-        let open = open_statement(
-            &self.table,
-            &format!("'{}'::int8", advisory_key(id)),
-            &format!("'{lock_ms}'"),
-            whole,
-            self.session,
-        );
+        let lock = lock_id(&self.table, &format!("'{}'::int8", advisory_key(id)));
+        let whole = if whole {
+            format!(
+                "set_config('transaction_timeout', '0', true), \
+                 set_config('transaction_timeout', '{lock_ms}', true), "
+            )
+        } else {
+            String::new()
+        };
+        // The session lock is tried only once the transaction lock is held, so
+        // that a claim holds both or neither.
+        let locked = if self.session {
+            format!(
+                "set_config('idem.key', key.k::text, true), \
+                 set_config('idem.locked', (CASE WHEN pg_try_advisory_xact_lock(key.k) \
+                     THEN pg_try_advisory_lock({}) ELSE false END)::text, true)",
+                session_lock("key.k")
+            )
+        } else {
+            "set_config('idem.locked', pg_try_advisory_xact_lock(key.k)::text, true)".to_owned()
+        };
         conn.begin_with(AssertSqlSafe(format!(
-            "{begin}; {open}; {HANDLER_SAVEPOINT}"
+            "{begin}; \
+             SELECT set_config('statement_timeout', '{lock_ms}', true), \
+                    set_config('idle_in_transaction_session_timeout', '{lock_ms}', true), \
+                    {whole}\
+                    {locked}, \
+                    {SAVE_SESSION} \
+             FROM (SELECT {lock} AS k) AS key; \
+             {HANDLER_SAVEPOINT}"
         )))
         .await
     }
@@ -1513,43 +1259,6 @@ mod tests {
 
     use crate::{HandlerFuture, Idempotency, IdempotencyKey, Options, RequestIdentity, Tx};
 
-    /// The one-trip claim's text fits the buffer it is built in, whatever its
-    /// numbers: one allocation per new key.
-    #[test]
-    fn the_one_trip_text_fits_its_first_allocation() {
-        let one = OneTrip::new("idempotency_keys", "state", |until| {
-            format!("INSERT INTO idempotency_keys SELECT {until}")
-        });
-        let fingerprint = [0xab; 32];
-        let (scope, key, method, path) = ("s", "k", "POST", "/p");
-        for digest in [[0; 32], [0xff; 32], [0x80; 32]] {
-            let id = Identity {
-                scope,
-                key,
-                method,
-                path,
-                content_type: "",
-                fingerprint: &fingerprint,
-                digest,
-            };
-            let claim = Claim {
-                lease: i64::MIN,
-                lock_ms: i64::MAX,
-                ttl_ms: i64::MAX,
-                replace: false,
-            };
-            let texts = scope.len() + key.len() + method.len() + path.len();
-            for open in &one.open {
-                let text = one.text(open, &id, claim);
-                assert!(
-                    text.len() <= 512 + 2 * texts,
-                    "{} bytes: {text}",
-                    text.len()
-                );
-            }
-        }
-    }
-
     /// The test server and a pool on it; `None` (SKIPPED) when it is down outside CI.
     async fn admin() -> Option<(String, PgPool)> {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
@@ -1676,123 +1385,6 @@ mod tests {
         }
     }
 
-    /// New keys are claimed in the round trip of their `BEGIN`, through statements
-    /// prepared on the session (`OneTrip`): a key, scope, path and content type of
-    /// any text reach the table as sent (hex literals), a response read back from
-    /// the table (the replay cache off) is the bytes recorded, and a session that
-    /// lost the statements, either or both, prepares them again without keeping
-    /// the key's session lock.
-    #[tokio::test]
-    async fn new_keys_claim_in_one_round_trip_whatever_the_session_lost() {
-        let Some((url, admin)) = admin().await else {
-            return;
-        };
-        let schema = format!("idem_unit_{}_one_trip", std::process::id());
-        schema_pool(&url, &admin, &schema).await.close().await;
-        // One connection: every request runs on the session that lost statements.
-        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("url");
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.options([("search_path", schema.as_str())]))
-            .await
-            .expect("pool");
-        let store = Idempotency::builder(pool.clone())
-            .replay_cache_refresh(std::time::Duration::ZERO)
-            .build()
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        sqlx::raw_sql("CREATE TABLE effects (key TEXT NOT NULL)")
-            .execute(&pool)
-            .await
-            .expect("effects");
-        let body: Bytes = (0..=255u8).collect();
-        let idem_statements = |prefix: &'static str| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_scalar::<_, String>(
-                    "SELECT name FROM pg_prepared_statements WHERE name LIKE $1 ORDER BY name",
-                )
-                .bind(format!("{prefix}%"))
-                .fetch_all(&pool)
-                .await
-                .expect("prepared statements")
-            }
-        };
-        for (n, lose) in [None, Some("idem_"), Some("idem_claim_"), Some("idem_open_")]
-            .into_iter()
-            .enumerate()
-        {
-            if let Some(prefix) = lose {
-                for name in idem_statements(prefix).await {
-                    sqlx::raw_sql(AssertSqlSafe(format!("DEALLOCATE {name}")))
-                        .execute(&pool)
-                        .await
-                        .expect("deallocate");
-                }
-            }
-            // Quoted, so that it may hold spaces, `"` and `\`.
-            let header = format!(r#""k{n} '); DROP TABLE effects; -- \\ \" $$ $1 %""#);
-            let parsed = IdempotencyKey::parse(header.as_bytes()).expect("key");
-            let key = parsed.as_str().to_owned();
-            assert!(key.contains(r#"\ " $$"#), "{key}");
-            let scope = format!("s{n} ' \\ ü $$");
-            let request = RequestIdentity::new(
-                Some(parsed),
-                scope.as_str(),
-                &Method::POST,
-                &Uri::from_static("/p/'x'?q=$$"),
-                b"body",
-            )
-            .with_content_type("text/plain; charset='x'");
-            for attempt in 0..2 {
-                let (effect, sent) = (key.clone(), body.clone());
-                let answer = store
-                    .execute(
-                        request.clone(),
-                        Options::new(),
-                        move |mut tx: Tx<Postgres>| {
-                            Box::pin(async move {
-                                sqlx::query("INSERT INTO effects VALUES ($1)")
-                                    .bind(effect)
-                                    .execute(&mut *tx)
-                                    .await
-                                    .expect("effect");
-                                Response::new(Full::new(sent))
-                            })
-                        },
-                    )
-                    .await;
-                assert_eq!(answer.status(), 200, "{lose:?}, attempt {attempt}");
-                assert_eq!(answer.body(), &body, "{lose:?}, attempt {attempt}");
-            }
-            let stored: (i64, String) = sqlx::query_as(
-                "SELECT (SELECT count(*) FROM effects WHERE key = $2), \
-                        path || ' ' || content_type \
-                 FROM idempotency_keys WHERE scope = $1 AND idempotency_key = $2",
-            )
-            .bind(&scope)
-            .bind(&key)
-            .fetch_one(&pool)
-            .await
-            .expect("the key's row, as sent");
-            assert_eq!(
-                stored,
-                (1, "/p/'x'?q=$$ text/plain; charset='x'".to_owned()),
-                "{lose:?}: ran once, stored as sent"
-            );
-            let held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_locks \
-                 WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
-            )
-            .fetch_one(&pool)
-            .await
-            .expect("locks");
-            assert_eq!(held, 0, "{lose:?}: no advisory lock left");
-        }
-        assert_eq!(idem_statements("idem_").await.len(), 2, "open and claim");
-        drop_schema(pool, &admin, &schema).await;
-    }
-
     /// The functions of upgrade 4 are used only where every role may call them, and
     /// are found in the table's schema; the record's NOTIFY is on idem's channel.
     #[tokio::test]
@@ -1877,9 +1469,7 @@ mod tests {
 
     /// A function of upgrade 4 dropped under a running store fails one request
     /// (503, nothing committed); its retry, and every request after it, sends the
-    /// statements the function stood for. In the partitioned layout, where a new
-    /// key's claim opens with the open function (the plain layout's claims it in
-    /// the round trip of `BEGIN`, `OneTrip`).
+    /// statements the function stood for.
     #[tokio::test]
     async fn functions_dropped_under_a_running_store_are_given_up() {
         let Some((url, admin)) = admin().await else {
@@ -1893,12 +1483,8 @@ mod tests {
         .execute(&admin)
         .await
         .expect("grant");
-        let store = Idempotency::builder(pool.clone())
-            .partitioned_by_day()
-            .build()
-            .expect("store");
+        let store = Idempotency::new(pool.clone());
         store.migrate().await.expect("migrate");
-        store.maintain_partitions(3).await.expect("partitions");
         let options = Options::new();
         let first = store.execute(keyed("k1"), options, done).await;
         assert_eq!(first.status(), 200);

@@ -319,10 +319,10 @@ pub use idem_macros::idempotent;
 pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE,
-    HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED, Idempotency,
-    IdempotencyKey, InvalidJson, InvalidKey, InvalidOptions, KeyRecord, MAX_KEY_LEN, Options,
-    Outcome, Problem, RequestIdentity, Scope, Shutdown, Sweep, SweepReport, Tx, fingerprint,
-    json_fingerprint, migration_sql, migration_steps,
+    Forgotten, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED,
+    Idempotency, IdempotencyKey, InFlight, InvalidJson, InvalidKey, InvalidOptions, KeyRecord,
+    MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity, Scope, Shutdown, Sweep, SweepReport,
+    Tx, fingerprint, json_fingerprint, migration_sql, migration_steps,
 };
 
 #[cfg(feature = "postgres")]

@@ -1,6 +1,8 @@
 //! The operator's view of the key table: what is in flight, what is stuck, and
 //! what one key holds.
 
+use std::fmt;
+
 use crate::backend::{Backend, KeyRecord, Query};
 use crate::signal::key_digest;
 use crate::store::Idempotency;
@@ -8,6 +10,12 @@ use crate::store::Idempotency;
 impl<DB: Backend> Idempotency<DB> {
     /// Claims in flight (`processing` rows), oldest first: all of them, one
     /// scope's, or only the stuck ones (lock passed).
+    ///
+    /// SQLite's claims are committed rows. MySQL's are written inside their
+    /// executor's transaction: they are read uncommitted (a read that takes and
+    /// waits for no lock) and listed while their key's named lock is held.
+    /// PostgreSQL cannot read a row before it commits: its claims in flight are not
+    /// listed (see [`in_flight`](Self::in_flight) for one key).
     ///
     /// # Errors
     ///
@@ -58,13 +66,15 @@ impl<DB: Backend> Idempotency<DB> {
         Ok(found.into_iter().map(|record| record.scope).collect())
     }
 
-    /// Deletes `scope`'s completed record of `key`, so that the next request with
-    /// it runs the handler again; returns whether there was one. A claim in flight
-    /// is never deleted (its executor may still commit).
+    /// Whether an executor holds `scope`'s `key` right now, and what the database
+    /// shows of it; never waits. A key in flight has no record yet on PostgreSQL and
+    /// MySQL (its claim is inside the executor's open transaction), so
+    /// [`inspect`](Self::inspect) shows nothing there, or the record it replaces.
     ///
-    /// This store's copy in memory goes at once; other running instances replay
-    /// theirs until their [`replay_cache_refresh`](crate::Builder::replay_cache_refresh)
-    /// has passed (30 seconds by default). The `idem forget` command calls this.
+    /// What tells it, per backend: PostgreSQL, the key's advisory lock held by
+    /// another session; MySQL/MariaDB, the key's named lock (`IS_USED_LOCK`); SQLite,
+    /// a `processing` row, whose lock may have passed (stuck: its executor is gone
+    /// or hung, and the next request takes it over).
     ///
     /// # Errors
     ///
@@ -75,22 +85,111 @@ impl<DB: Backend> Idempotency<DB> {
     /// ```rust,no_run
     /// # extern crate idem_runtime as idem_axum;
     /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) -> Result<(), sqlx::Error> {
-    /// if idempotency.forget("user-7", "order-42").await? {
-    ///     println!("the next request with order-42 runs again");
+    /// if let Some(holder) = idempotency.in_flight("user-7", "order-42").await? {
+    ///     println!("in flight for {:?} ms, session {:?}", holder.age_ms, holder.session);
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn forget(&self, scope: &str, key: &str) -> Result<bool, sqlx::Error> {
+    pub async fn in_flight(&self, scope: &str, key: &str) -> Result<Option<InFlight>, sqlx::Error> {
+        let digest = key_digest(&self.inner().table, scope, key);
         let mut conn = self.inner().pool.acquire().await?;
-        let deleted = DB::idem_forget(&mut conn, &self.inner().sql, scope, key).await?;
-        if let Some(cache) = &self.inner().replay_cache {
-            cache.forget(&key_digest(&self.inner().table, scope, key));
+        DB::idem_in_flight(&mut conn, &self.inner().sql, scope, key, &digest).await
+    }
+
+    /// Deletes `scope`'s completed record of `key`, so that the next request with
+    /// it runs the handler again; says what it did.
+    ///
+    /// It deletes only the record it read, and only while no executor holds the
+    /// key: a key in flight (claimed, or held by a transaction that has not ended,
+    /// such as an expired record being run again) is never deleted, and the call
+    /// never waits for it: it answers [`Forgotten::InFlight`] at once, because the
+    /// record its executor is about to commit must not go with it. On PostgreSQL
+    /// and MySQL the deletion holds the key as a claim does, for the moment it
+    /// takes: a request for that key meanwhile is answered 409 `in-flight`. On
+    /// SQLite it queues for the database's one write lock like any write (up to
+    /// the busy timeout); the row it deletes is matched by the lease it read.
+    ///
+    /// This store's copy in memory goes at once; other running instances replay
+    /// theirs until their [`replay_cache_refresh`](crate::Builder::replay_cache_refresh)
+    /// has passed (30 seconds by default). The `idem forget` command calls this.
+    ///
+    /// # Errors
+    ///
+    /// Any database error; nothing was deleted unless the error struck the commit.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(idempotency: idem_axum::Idempotency<DB>) -> Result<(), sqlx::Error> {
+    /// use idem_axum::Forgotten;
+    ///
+    /// match idempotency.forget("user-7", "order-42").await? {
+    ///     Forgotten::Deleted => println!("the next request with order-42 runs again"),
+    ///     Forgotten::InFlight => println!("still executing: nothing deleted, try later"),
+    ///     other => println!("nothing deleted: {other}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn forget(&self, scope: &str, key: &str) -> Result<Forgotten, sqlx::Error> {
+        let digest = key_digest(&self.inner().table, scope, key);
+        let mut conn = self.inner().pool.acquire().await?;
+        let forgotten = DB::idem_forget(&mut conn, &self.inner().sql, scope, key, &digest).await?;
+        if forgotten == Forgotten::Deleted
+            && let Some(cache) = &self.inner().replay_cache
+        {
+            cache.forget(&digest);
         }
-        Ok(deleted)
+        Ok(forgotten)
     }
 
     async fn run_inspect(&self, query: &Query<'_>) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let mut conn = self.inner().pool.acquire().await?;
         DB::idem_inspect(&mut conn, &self.inner().sql, query).await
     }
+}
+
+/// What [`Idempotency::forget`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Forgotten {
+    /// The completed record was deleted: the next request with the key runs the
+    /// handler again.
+    Deleted,
+    /// An executor holds the key (a claim, live or stuck, or a transaction that
+    /// has not ended): nothing was deleted. Once it has completed, forget again.
+    InFlight,
+    /// The scope holds no record of the key: nothing was deleted.
+    NotFound,
+    /// The record read was replaced before it could be deleted (the key expired
+    /// and ran again meanwhile): nothing was deleted. Look at it again.
+    Changed,
+}
+
+impl fmt::Display for Forgotten {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Deleted => "deleted",
+            Self::InFlight => "in flight, not deleted",
+            Self::NotFound => "no record, nothing deleted",
+            Self::Changed => "replaced while being deleted, not deleted",
+        })
+    }
+}
+
+/// A key an executor holds right now, as [`Idempotency::in_flight`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InFlight {
+    /// The database session executing it: PostgreSQL's backend process id,
+    /// MySQL's connection id (`KILL` ends it); `None` on SQLite, whose claim is a
+    /// committed row.
+    pub session: Option<i64>,
+    /// Milliseconds since it was claimed: on PostgreSQL and MySQL, since its
+    /// transaction began, where the database shows it (PostgreSQL: to roles
+    /// allowed to see that session; MySQL: to users with the `PROCESS` privilege).
+    pub age_ms: Option<i64>,
+    /// Milliseconds left on its lock; negative once it has passed (stuck). Known
+    /// where the claim's row can be read before it commits: SQLite, MySQL.
+    pub lock_left_ms: Option<i64>,
 }

@@ -32,6 +32,7 @@ use std::future::Future;
 
 use sqlx::{Database, Transaction};
 
+use crate::admin::{Forgotten, InFlight};
 use crate::tx::Adopted;
 
 /// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`),
@@ -553,14 +554,28 @@ pub mod enabled {
             limit: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'c;
 
-        /// Deletes (scope, key) if it is completed; whether a row went.
+        /// Deletes (scope, key)'s completed record, the one it reads and no
+        /// other, unless an executor holds the key; never waits for one (see
+        /// `admin.rs`). `digest` is the key's [`Identity::digest`].
         #[doc(hidden)]
         fn idem_forget<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             scope: &'c str,
             key: &'c str,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+            digest: &'c [u8; 32],
+        ) -> impl Future<Output = Result<Forgotten, sqlx::Error>> + Send + 'c;
+
+        /// Whether an executor holds (scope, key) now, from what the database
+        /// shows of it (see `admin.rs`); never waits.
+        #[doc(hidden)]
+        fn idem_in_flight<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            scope: &'c str,
+            key: &'c str,
+            digest: &'c [u8; 32],
+        ) -> impl Future<Output = Result<Option<InFlight>, sqlx::Error>> + Send + 'c;
 
         /// Operator's view: rows matching `query` (see `admin.rs`).
         #[doc(hidden)]
@@ -651,34 +666,6 @@ where
     }
     let rows = statement.fetch_all(conn).await?;
     rows.iter().map(decode).collect()
-}
-
-/// Deletes `scope`'s completed record of `key` from `table`, with the backend's
-/// `placeholder` (as in [`Query::parts`]), unprepared like the operator's other
-/// statements.
-#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
-pub(crate) async fn delete_completed<DB>(
-    conn: &mut DB::Connection,
-    table: &str,
-    placeholder: impl Fn(usize) -> String,
-    scope: &str,
-    key: &str,
-) -> Result<DB::QueryResult, sqlx::Error>
-where
-    DB: sqlx::Database + sqlx::database::HasStatementCache,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
-    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
-{
-    // The operator's view of one key, its filter reused (no clock in it).
-    let query = Query::Key { scope, key };
-    let (filter, _, _, params) = query.parts(placeholder, "");
-    let sql = format!("DELETE FROM {table} WHERE {filter} AND state = 'completed'");
-    let mut statement = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false);
-    for param in params {
-        statement = statement.bind(param);
-    }
-    statement.execute(conn).await
 }
 
 /// Decodes the columns every backend's inspection query selects, in one shape:

@@ -558,7 +558,12 @@ impl<DB: Backend> Idempotency<DB> {
                     announced(receiver, signal, until).await;
                     pause = (pause * 2).min(MAX_PAUSE);
                 }
-                _ => return (Outcome::InFlight, self.in_flight(&id, &options).await),
+                _ => {
+                    return (
+                        Outcome::InFlight,
+                        self.in_flight_answer(&id, &options).await,
+                    );
+                }
             }
         }
     }
@@ -983,7 +988,7 @@ impl<DB: Backend> Idempotency<DB> {
 
     /// 409 `in-flight`, with `Retry-After` from what is left of the holder's lock:
     /// by then the key is completed or free. One second when that is unknown.
-    async fn in_flight(&self, id: &Identity<'_>, options: &Options) -> Response<Bytes> {
+    async fn in_flight_answer(&self, id: &Identity<'_>, options: &Options) -> Response<Bytes> {
         let left = match self.inner().pool.acquire().await {
             Ok(mut conn) => {
                 DB::idem_lock_left(&mut conn, &self.inner().sql, id, options.lock_millis()).await

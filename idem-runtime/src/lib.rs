@@ -42,6 +42,7 @@ pub use partitions::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub use admin::{Forgotten, InFlight};
 pub use backend::Backend;
 pub use backend::KeyRecord;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity, fingerprint};

@@ -11,10 +11,11 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row as _, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
+use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
 };
-use crate::backend::{KeyRecord, Query, delete_completed, fetch};
+use crate::backend::{KeyRecord, Query, fetch};
 use crate::key::to_hex;
 use crate::tx::Open;
 
@@ -52,6 +53,8 @@ pub struct Sql {
     /// The table, for the statements written out per key: in the pool's
     /// database, when the pool names one (see `idem_sql`).
     table: Box<str>,
+    /// The table's name as configured, which keys' digests are computed with.
+    name: Box<str>,
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
     sweep: Arc<str>,
@@ -70,6 +73,24 @@ const READ_COMMITTED_ONCE: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTE
 /// transaction a session with `autocommit = 0` may hold, in which the isolation
 /// could not be set.
 const BEGIN_READ_COMMITTED: &str = "COMMIT; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN";
+
+/// An operator's look at claims in flight, whose rows are not committed yet: a
+/// read of uncommitted rows takes no lock and waits for none.
+const BEGIN_READ_UNCOMMITTED: &str =
+    "COMMIT; SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED; BEGIN";
+
+/// Rows one sweep's `DELETE` names: two parameters each, well within the
+/// protocol's 65,535.
+const SWEEP_CHUNK: usize = 500;
+
+/// Whether `error` is a row lock refused by `NOWAIT`: MariaDB reports a lock wait
+/// timeout (1205), MySQL 8 its own error (3572).
+fn lock_refused(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.try_downcast_ref::<MySqlDatabaseError>())
+        .is_some_and(|error| matches!(error.number(), 1205 | 3572))
+}
 
 /// Once the handler's transaction has begun: every later transaction of the
 /// session is read-only until `finish`. A statement that commits implicitly
@@ -134,6 +155,7 @@ impl Driver for MySql {
     }
 
     fn idem_sql(table: &str, _layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
+        let name = table;
         // The session's own settings back. Setting `autocommit` back to 1 would
         // commit an open transaction: it runs only once the handler's has ended.
         let restore = format!(
@@ -201,14 +223,15 @@ impl Driver for MySql {
             )
             .into(),
             sweep: format!(
-                "DELETE FROM {table} \
+                "SELECT scope, idempotency_key FROM {table} \
                  WHERE state = 'completed' AND expires_at <= UTC_TIMESTAMP(6) \
-                 ORDER BY expires_at LIMIT ?"
+                 ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
             )
             .into(),
             commit: format!("COMMIT; {restore}").into(),
             rollback: format!("ROLLBACK; {restore}").into(),
             table: table.into(),
+            name: name.into(),
             database: database.into(),
         }
     }
@@ -395,7 +418,7 @@ impl Driver for MySql {
     ) -> Result<Option<i64>, sqlx::Error> {
         sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
             .bind(lock_ms)
-            .bind(lock_seed(id))
+            .bind(lock_seed(&id.digest))
             .fetch_optional(conn)
             .await
     }
@@ -436,14 +459,30 @@ impl Driver for MySql {
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
         // In a transaction of its own, so that a session with `autocommit = 0`
-        // commits it too.
+        // commits it too. The rows are locked first, skipping those a claim holds
+        // (an expired key being run again): a plain `DELETE` would wait for that
+        // claim's transaction, whose row is then no longer expired.
         let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
-        let done = sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+        let expired: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(AssertSqlSafe(sql.sweep.clone()))
             .bind(limit)
-            .execute(&mut *tx)
+            .fetch_all(&mut *tx)
             .await?;
+        let mut deleted = 0;
+        // Rows this transaction holds: deleting them waits for nobody.
+        for batch in expired.chunks(SWEEP_CHUNK) {
+            let rows = vec!["(scope = ? AND idempotency_key = ?)"; batch.len()].join(" OR ");
+            let mut delete = sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {} WHERE {rows}",
+                sql.table
+            )))
+            .persistent(false);
+            for (scope, key) in batch {
+                delete = delete.bind(scope).bind(key);
+            }
+            deleted += delete.execute(&mut *tx).await?.rows_affected();
+        }
         tx.commit().await?;
-        Ok(done.rows_affected())
+        Ok(deleted)
     }
 
     async fn idem_forget(
@@ -451,13 +490,112 @@ impl Driver for MySql {
         sql: &Sql,
         scope: &str,
         key: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let placeholder = |_| "?".to_owned();
-        // As the sweep: committed whatever the session's `autocommit`.
+        digest: &[u8; 32],
+    ) -> Result<Forgotten, sqlx::Error> {
+        // As the sweep: committed whatever the session's `autocommit`. A row a
+        // claim's transaction holds (a new key's, or an expired one's being run
+        // again) is in flight: NOWAIT answers at once, where a plain `DELETE`
+        // would wait for that transaction and then delete what it recorded.
         let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
-        let done = delete_completed::<MySql>(&mut tx, &sql.table, placeholder, scope, key).await?;
+        let lock = lock_name_of(sql, digest);
+        let read = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT lease, state, CAST(body IS NULL AS SIGNED), \
+                    CAST(IS_USED_LOCK({lock}) IS NOT NULL AS SIGNED) \
+             FROM {} WHERE scope = ? AND idempotency_key = ? FOR UPDATE NOWAIT",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .fetch_all(&mut *tx)
+        .await;
+        let rows: Vec<(i64, String, i64, i64)> = match read {
+            Err(error) if lock_refused(&error) => return Ok(Forgotten::InFlight),
+            rows => rows?,
+        };
+        let Some((lease, state, no_body, held)) = rows.into_iter().next() else {
+            // No row yet: a claim that has the key's lock but not its row is in
+            // flight too.
+            let held: Option<i64> =
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT IS_USED_LOCK({lock})")))
+                    .persistent(false)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            tx.commit().await?;
+            return Ok(if held.is_some() {
+                Forgotten::InFlight
+            } else {
+                Forgotten::NotFound
+            });
+        };
+        // A row without a body whose key's lock is held: a handler's transaction
+        // committed behind idem's back, and its executor is still marking it
+        // `transaction-ended`; deleting it would free a key whose writes committed.
+        if state != "completed" || (no_body == 1 && held == 1) {
+            tx.rollback().await?;
+            return Ok(Forgotten::InFlight);
+        }
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {} WHERE scope = ? AND idempotency_key = ? AND lease = ? \
+               AND state = 'completed'",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .bind(lease)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
-        Ok(done.rows_affected() > 0)
+        Ok(Forgotten::Deleted)
+    }
+
+    async fn idem_in_flight(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        scope: &str,
+        key: &str,
+        digest: &[u8; 32],
+    ) -> Result<Option<InFlight>, sqlx::Error> {
+        let lock = lock_name_of(sql, digest);
+        let holder: Option<i64> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT IS_USED_LOCK({lock})")))
+                .persistent(false)
+                .fetch_one(&mut *conn)
+                .await?;
+        let Some(holder) = holder else {
+            return Ok(None);
+        };
+        // The start of its transaction needs the PROCESS privilege: unknown
+        // without it.
+        let age_ms: Option<i64> = sqlx::query_scalar(
+            "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, trx_started, NOW(6)) DIV 1000 AS SIGNED) \
+             FROM information_schema.INNODB_TRX WHERE trx_mysql_thread_id = ?",
+        )
+        .persistent(false)
+        .bind(holder)
+        .fetch_optional(&mut *conn)
+        .await
+        .unwrap_or(None);
+        // The claim's row, before it commits: a read of uncommitted rows.
+        let mut tx = conn.begin_with(BEGIN_READ_UNCOMMITTED).await?;
+        let lock_left_ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 \
+                    AS SIGNED) \
+             FROM {} WHERE scope = ? AND idempotency_key = ? AND body IS NULL",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(InFlight {
+            session: Some(holder),
+            age_ms,
+            lock_left_ms,
+        }))
     }
 
     async fn idem_inspect(
@@ -465,6 +603,14 @@ impl Driver for MySql {
         sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
+        if let Query::Claims {
+            scope,
+            stuck_only,
+            limit,
+        } = *query
+        {
+            return claims_in_flight(conn, sql, scope, stuck_only, limit).await;
+        }
         let (filter, limit, payload, params) = query.parts(|_| "?".to_owned(), "UTC_TIMESTAMP(6)");
         let stored = if payload {
             "COALESCE(headers, '') AS headers, COALESCE(body, '') AS body"
@@ -472,12 +618,8 @@ impl Driver for MySql {
             "CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body"
         };
         let sql = format!(
-            "SELECT CAST(scope AS CHAR) AS scope, CAST(idempotency_key AS CHAR) AS idempotency_key, \
-                    state, method, path, CAST(status AS SIGNED) AS status, {stored}, \
-                    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
-                    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
-                    CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms \
-             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            "SELECT {}, {stored} FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            inspected("state"),
             sql.table
         );
         // In a transaction of its own: a fresh snapshot, which a session with
@@ -487,6 +629,79 @@ impl Driver for MySql {
         tx.commit().await?;
         Ok(records)
     }
+}
+
+/// The columns an operator's look selects but the stored response, in the shape
+/// `backend::fetch` decodes, with `state` as the expression given.
+fn inspected(state: &str) -> String {
+    format!(
+        "CAST(scope AS CHAR) AS scope, CAST(idempotency_key AS CHAR) AS idempotency_key, \
+         {state} AS state, method, path, CAST(status AS SIGNED) AS status, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms"
+    )
+}
+
+/// Claims in flight, oldest first: on MySQL a claim's row is written inside its
+/// executor's transaction (`begin_text`), so they are read uncommitted, which waits
+/// for no lock; such a row is a claim while its key's named lock is held. Rows
+/// without a body are the candidates (an uncommitted claim looks like a committed
+/// one whose transaction ended behind idem's back), newest first, since a claim in
+/// flight is younger than its lock and an ended record may be as old as its ttl.
+async fn claims_in_flight(
+    conn: &mut MySqlConnection,
+    sql: &Sql,
+    scope: Option<&str>,
+    stuck_only: bool,
+    limit: u32,
+) -> Result<Vec<KeyRecord>, sqlx::Error> {
+    let mut filter = "(state = 'processing' OR (state = 'completed' AND body IS NULL))".to_owned();
+    if scope.is_some() {
+        filter.push_str(" AND scope = ?");
+    }
+    if stuck_only {
+        filter.push_str(" AND locked_until <= UTC_TIMESTAMP(6)");
+    }
+    let candidates = limit.saturating_add(1_000);
+    let text = format!(
+        "SELECT {}, CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body FROM {} \
+         WHERE {filter} ORDER BY created_at DESC LIMIT {candidates}",
+        inspected("state"),
+        sql.table
+    );
+    let mut tx = conn.begin_with(BEGIN_READ_UNCOMMITTED).await?;
+    let mut rows = fetch::<MySql>(&mut tx, text, scope.into_iter().collect()).await?;
+    tx.commit().await?;
+    let mut held = Vec::with_capacity(rows.len());
+    for batch in rows.chunks(100) {
+        let locks: Vec<String> = batch
+            .iter()
+            .map(|row| {
+                let digest = crate::signal::key_digest(&sql.name, &row.scope, &row.key);
+                format!(
+                    "CAST(IS_USED_LOCK({}) IS NOT NULL AS SIGNED)",
+                    lock_name_of(sql, &digest)
+                )
+            })
+            .collect();
+        let row = sqlx::raw_sql(AssertSqlSafe(format!("SELECT {}", locks.join(", "))))
+            .fetch_one(&mut *conn)
+            .await?;
+        for n in 0..batch.len() {
+            held.push(row.try_get::<i64, _>(n)? == 1);
+        }
+    }
+    // A committed `processing` row (a claim of a release that committed them) is a
+    // claim whoever holds the lock.
+    let mut held = held.into_iter();
+    rows.retain(|row| held.next().unwrap_or(false) || row.state == "processing");
+    for row in &mut rows {
+        "processing".clone_into(&mut row.state);
+    }
+    rows.reverse();
+    rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    Ok(rows)
 }
 
 /// Makes `database` the session's.
@@ -720,13 +935,24 @@ async fn read(
 /// claim's `SET`, about 20 µs a time, measured on MariaDB 10.11). Only a pool that
 /// names no database leaves the name to the server, from the session's.
 fn lock_name(sql: &Sql, id: &Identity<'_>) -> String {
+    lock_name_of(sql, &id.digest)
+}
+
+/// [`lock_name`] from the key's digest alone.
+fn lock_name_of(sql: &Sql, digest: &[u8; 32]) -> String {
     // The seed is hex digits: it can go into the text.
-    let seed = lock_seed(id);
+    let seed = lock_seed(digest);
     if sql.database.is_empty() {
         return LOCK_NAME.replacen('?', &format!("'{seed}'"), 1);
     }
     let digest = Sha256::digest(format!("{}:{seed}", sql.database));
     format!("'idem:{}'", &to_hex(&digest)[..40])
+}
+
+/// Hex SHA-256 over (table, scope, key); the SQL mixes in the database name and
+/// keeps 40 hex digits, within MySQL's 64-character limit on lock names.
+fn lock_seed(digest: &[u8; 32]) -> String {
+    to_hex(digest)
 }
 
 /// Frees what `claim_text` took on the session (see `Sql::rollback`). Whatever
@@ -737,10 +963,4 @@ async fn finish(conn: &mut MySqlConnection, sql: &Sql) -> Result<(), sqlx::Error
         .execute(conn)
         .await?;
     Ok(())
-}
-
-/// Hex SHA-256 over (table, scope, key); the SQL mixes in the database name and
-/// keeps 40 hex digits, within MySQL's 64-character limit on lock names.
-fn lock_seed(id: &Identity<'_>) -> String {
-    to_hex(&id.digest)
 }

@@ -14,11 +14,12 @@ use sqlx_core::transaction::TransactionManager as _;
 use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
+use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
     look_then_claim,
 };
-use crate::backend::{KeyRecord, Query, delete_completed, fetch};
+use crate::backend::{KeyRecord, Query, fetch};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
@@ -720,14 +721,95 @@ impl Driver for Postgres {
         sql: &Sql,
         scope: &str,
         key: &str,
-    ) -> Result<bool, sqlx::Error> {
-        // In a transaction, so that it is safe through a transaction pooler.
-        let mut tx = conn.begin().await?;
-        let placeholder = |n| format!("${n}");
-        let done =
-            delete_completed::<Postgres>(&mut tx, &sql.table, placeholder, scope, key).await?;
+        digest: &[u8; 32],
+    ) -> Result<Forgotten, sqlx::Error> {
+        // One transaction, so that it is safe through a transaction pooler; at READ
+        // COMMITTED, so that the read after the lock sees every commit before it.
+        let mut tx = read_committed(conn).await?;
+        // The key is taken as a claim takes it, with a try-lock that never waits;
+        // a claim whose handler ended its own transaction still holds the key's
+        // session lock until idem has marked it.
+        let free: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT pg_try_advisory_xact_lock({}) \
+                    AND NOT EXISTS (SELECT 1 FROM {} WHERE l.pid <> pg_backend_pid())",
+            lock_id(&sql.table, "$1"),
+            held_lock(&sql.table, "$1", "= 2"),
+        )))
+        .persistent(false)
+        .bind(advisory_seed(digest))
+        .fetch_one(&mut *tx)
+        .await?;
+        if !free {
+            return Ok(Forgotten::InFlight);
+        }
+        // A row a transaction has locked (an expired record being run again) is
+        // in flight: NOWAIT answers at once instead of waiting for its commit.
+        let rows: Vec<(i64, String)> = match sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT lease, state FROM {} WHERE scope = $1 AND idempotency_key = $2 \
+             FOR UPDATE NOWAIT",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .fetch_all(&mut *tx)
+        .await
+        {
+            // lock_not_available
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
+                return Ok(Forgotten::InFlight);
+            }
+            rows => rows?,
+        };
+        if rows.is_empty() {
+            return Ok(Forgotten::NotFound);
+        }
+        if rows.iter().any(|(_, state)| state != "completed") {
+            return Ok(Forgotten::InFlight);
+        }
+        let leases: Vec<i64> = rows.iter().map(|(lease, _)| *lease).collect();
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {} WHERE scope = $1 AND idempotency_key = $2 \
+               AND state = 'completed' AND lease = ANY($3)",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(scope)
+        .bind(key)
+        .bind(leases)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
-        Ok(done.rows_affected() > 0)
+        Ok(Forgotten::Deleted)
+    }
+
+    async fn idem_in_flight(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        _scope: &str,
+        _key: &str,
+        digest: &[u8; 32],
+    ) -> Result<Option<InFlight>, sqlx::Error> {
+        // The claim is not visible before it commits; its advisory lock is, in
+        // either form (the session lock outlives a transaction the handler ended).
+        let mut tx = conn.begin().await?;
+        let held: Option<(i64, Option<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT l.pid::int8, \
+                    (extract(epoch FROM clock_timestamp() - a.xact_start) * 1000)::int8 \
+             FROM {} LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.pid <> pg_backend_pid() ORDER BY l.objsubid LIMIT 1",
+            held_lock(&sql.table, "$1", "IN (1, 2)")
+        )))
+        .persistent(false)
+        .bind(advisory_seed(digest))
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(held.map(|(pid, age_ms)| InFlight {
+            session: Some(pid),
+            age_ms,
+            lock_left_ms: None,
+        }))
     }
 
     async fn idem_inspect(
@@ -1202,7 +1284,12 @@ fn recording<'q>(
 /// SQL mixes in the table's oid. A collision between two live keys only makes one of
 /// them answer 409 for a moment.
 fn advisory_key(id: &Identity<'_>) -> i64 {
-    i64::from_be_bytes(signal_of(&id.digest).to_be_bytes())
+    advisory_seed(&id.digest)
+}
+
+/// [`advisory_key`] from the key's digest alone.
+fn advisory_seed(digest: &[u8; 32]) -> i64 {
+    i64::from_be_bytes(signal_of(digest).to_be_bytes())
 }
 
 /// How long idem waits for a key's transaction lock to mark it `transaction-ended`

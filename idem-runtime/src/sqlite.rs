@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
+use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
-use crate::backend::{KeyRecord, Query, delete_completed, fetch};
+use crate::backend::{KeyRecord, Query, fetch};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -290,10 +291,75 @@ impl Driver for Sqlite {
         sql: &Sql,
         scope: &str,
         key: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let placeholder = |n| format!("?{n}");
-        let done = delete_completed::<Sqlite>(conn, &sql.table, placeholder, scope, key).await?;
-        Ok(done.rows_affected() > 0)
+        _digest: &[u8; 32],
+    ) -> Result<Forgotten, sqlx::Error> {
+        // A claim is a committed `processing` row: read without waiting (WAL never
+        // blocks a reader), even while its executor holds the write lock.
+        let read = format!(
+            "SELECT lease, state FROM {} WHERE scope = ?1 AND idempotency_key = ?2",
+            sql.table
+        );
+        let row: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(read.clone()))
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&mut *conn)
+            .await?;
+        let lease = match row {
+            None => return Ok(Forgotten::NotFound),
+            Some((_, state)) if state != "completed" => return Ok(Forgotten::InFlight),
+            Some((lease, _)) => lease,
+        };
+        // The write lock, as every writer takes it; then only the record read goes.
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        let deleted = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {} WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 \
+               AND state = 'completed'",
+            sql.table
+        )))
+        .bind(scope)
+        .bind(key)
+        .bind(lease)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if deleted == 1 {
+            tx.commit().await?;
+            return Ok(Forgotten::Deleted);
+        }
+        let now: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(read))
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        Ok(match now {
+            None => Forgotten::NotFound,
+            Some((_, state)) if state != "completed" => Forgotten::InFlight,
+            Some(_) => Forgotten::Changed,
+        })
+    }
+
+    async fn idem_in_flight(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        scope: &str,
+        key: &str,
+        _digest: &[u8; 32],
+    ) -> Result<Option<InFlight>, sqlx::Error> {
+        let claim: Option<(i64, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {NOW_MS} - created_at, locked_until - {NOW_MS} FROM {} \
+             WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'processing'",
+            sql.table
+        )))
+        .bind(scope)
+        .bind(key)
+        .fetch_optional(conn)
+        .await?;
+        Ok(claim.map(|(age_ms, lock_left_ms)| InFlight {
+            session: None,
+            age_ms: Some(age_ms),
+            lock_left_ms: Some(lock_left_ms),
+        }))
     }
 
     async fn idem_inspect(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem_axum::{Idempotency, Outcome};
+use idem_axum::{Forgotten, Idempotency, Outcome};
 use sqlx::pool::PoolOptions;
 use tokio::sync::Barrier;
 
@@ -236,7 +236,10 @@ pub async fn forgotten_keys_run_again<H: Harness>() {
     assert_replays(&[send(&two, &req).await], &first);
     let read = two_acquired.load(Ordering::SeqCst);
 
-    assert!(operator.forget("alice", &key).await.expect("forget"));
+    assert_eq!(
+        operator.forget("alice", &key).await.expect("forget"),
+        Forgotten::Deleted
+    );
     assert!(h.key_rows("alice").await.is_empty(), "deleted");
     let again = send(&one, &req).await;
     assert_eq!(again.outcome, Some(Outcome::Executed), "{}", again.text());
@@ -253,12 +256,17 @@ pub async fn forgotten_keys_run_again<H: Harness>() {
     let stale = format!("k-forget-stale-{}", unique_suffix());
     h.insert_stale_claim("bob", &stale, "POST", "/effects", BODY.as_bytes())
         .await;
-    assert!(!operator.forget("bob", &stale).await.expect("forget"));
+    assert_eq!(
+        operator.forget("bob", &stale).await.expect("forget"),
+        Forgotten::InFlight,
+        "a stuck claim is still a claim"
+    );
     let rows = h.key_rows("bob").await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].1.state, "processing", "still claimed");
-    assert!(
-        !operator.forget("bob", &key).await.expect("forget"),
+    assert_eq!(
+        operator.forget("bob", &key).await.expect("forget"),
+        Forgotten::NotFound,
         "scoped"
     );
     assert_eq!(h.key_rows("alice").await.len(), 1);

@@ -432,7 +432,10 @@ async fn mysql_sessions_without_autocommit_are_left_without_a_transaction() {
     let seen = store.inspect("alice", "k-done").await.expect("inspect");
     assert_eq!(seen.map(|r| r.state), Some("completed".to_owned()));
     assert_eq!(h.open_transactions().await, 0, "after an operator's look");
-    assert!(store.forget("alice", "k-done").await.expect("forget"));
+    assert_eq!(
+        store.forget("alice", "k-done").await.expect("forget"),
+        idem_axum::Forgotten::Deleted
+    );
     assert_eq!(h.open_transactions().await, 0, "after a deletion");
     assert!(
         h.key_rows("alice")

@@ -48,6 +48,15 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// statement is undone.
     const ERROR_VOIDS_TRANSACTION: bool = false;
 
+    /// Whether a claim can be read (`Idempotency::claims`) before its transaction
+    /// commits: SQLite's is a committed row, MySQL's is read uncommitted;
+    /// PostgreSQL has no such read.
+    const CLAIMS_READABLE_IN_FLIGHT: bool = true;
+
+    /// Whether a sweep can run while a handler's transaction is open: SQLite's one
+    /// write lock is that handler's until it ends.
+    const SWEEPS_BESIDE_HANDLERS: bool = true;
+
     /// `None` when the backend is not reachable outside CI (the caller says so).
     fn start(max_response_bytes: usize) -> impl Future<Output = Option<Self>> + Send;
 

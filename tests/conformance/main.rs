@@ -34,6 +34,7 @@ mod ended;
 mod harness;
 mod json;
 mod kit;
+mod operator;
 #[cfg(feature = "postgres")]
 mod partitions;
 mod realistic;
@@ -68,6 +69,7 @@ use harness::{Lite, LiteDeferred};
 use harness::{Pg, PgParted};
 use json::{browser_sent_keys_are_keys, json_fingerprints_compare_values_not_bytes};
 use kit::the_testing_kit_proves_handlers_exactly_once;
+use operator::operators_never_delete_or_wait_for_a_key_in_flight;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
     idem_extractors_work_in_any_handler, kept_replays_skip_the_last_extractor,
@@ -107,7 +109,7 @@ async fn send_all(app: &axum::Router, reqs: Vec<Req>) -> Vec<Got> {
 }
 
 /// Waits until the handler of `key` has started (its claim is held).
-async fn await_started(key: &str) {
+pub async fn await_started(key: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !app::started(key) {
         assert!(
@@ -446,7 +448,7 @@ async fn ttl_header_is_recorded_and_replayed<H: Harness>() {
     h.finish().await;
 }
 
-fn unique_suffix() -> u128 {
+pub fn unique_suffix() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos())
@@ -1097,9 +1099,14 @@ async fn operator_view_lists_and_inspects_keys<H: Harness>() {
         keys.sort();
         keys
     };
-    // PostgreSQL and MySQL keep a live claim inside its transaction: invisible
-    // until it commits. SQLite's claim is a committed row.
+    // A live claim: SQLite's is a committed row, MySQL's is read uncommitted;
+    // PostgreSQL's is invisible until it commits.
     let in_flight = listed(store.claims(None, false, 10).await.expect("claims"));
+    assert_eq!(
+        in_flight.contains(&gate),
+        H::CLAIMS_READABLE_IN_FLIGHT,
+        "{in_flight:?}"
+    );
     assert!(in_flight.contains(&"k-stuck".to_owned()), "{in_flight:?}");
     assert!(!in_flight.contains(&"k-done".to_owned()), "{in_flight:?}");
     let stuck = store.claims(None, true, 10).await.expect("stuck claims");
@@ -1312,6 +1319,7 @@ macro_rules! conformance {
 
 conformance!(
     concurrent_duplicates_execute_once,
+    operators_never_delete_or_wait_for_a_key_in_flight,
     json_fingerprints_compare_values_not_bytes,
     browser_sent_keys_are_keys,
     duplicates_in_flight_answer_at_once,

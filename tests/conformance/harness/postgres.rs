@@ -59,6 +59,8 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
 
     const ERROR_VOIDS_TRANSACTION: bool = true;
 
+    const CLAIMS_READABLE_IN_FLIGHT: bool = false;
+
     // A session-level lock cannot outlive a transaction through a pooler.
     fn holds_keys_past_their_transaction(&self) -> bool {
         !self.pooled

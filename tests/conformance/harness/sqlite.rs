@@ -45,6 +45,8 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
 
     const STALLED_WRITER_BLOCKS_TAKEOVER: bool = true;
 
+    const SWEEPS_BESIDE_HANDLERS: bool = false;
+
     const ENDING_STATEMENTS: &'static [&'static str] = &["COMMIT", "END", "ROLLBACK"];
 
     async fn start(max_response_bytes: usize) -> Option<Self> {

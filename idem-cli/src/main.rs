@@ -11,16 +11,22 @@
 //! ```
 //!
 //! `DATABASE_URL` comes from `--database-url`, the environment, or a `.env` file in
-//! the current directory or one above it, as sqlx-cli reads it. Exit status: 0 done,
-//! 1 failed (the database could not be reached or refused, or the key is not there
-//! to show or forget), 2 the command line was wrong.
+//! the current directory or one above it, read as sqlx-cli reads it (`dotenvy`).
+//! Exit status: 0 done; 1 failed (the database could not be reached or refused, or
+//! the key has no record to show or forget); 2 the command line was wrong; 3
+//! `forget` deleted nothing because the key is in flight (or its record changed
+//! while it ran): try again once it has completed.
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
-use idem_runtime::{Backend, DEFAULT_TABLE, Idempotency, KeyRecord, Sweep, migration_steps};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use idem_runtime::{
+    Backend, DEFAULT_TABLE, Forgotten, Idempotency, InFlight, KeyRecord, Sweep, migration_steps,
+};
 use sqlx::pool::PoolOptions;
 use sqlx::{Connection, Database, MySql, Pool, Postgres, Sqlite};
 
@@ -31,8 +37,9 @@ use sqlx::{Connection, Database, MySql, Pool, Postgres, Sqlite};
     version,
     after_help = "DATABASE_URL is also read from a .env file in the current directory or one \
                   above it.\nExit status: 0 done; 1 failed (the database could not be reached \
-                  or refused, or the key is not there to show or forget); 2 the command line \
-                  was wrong."
+                  or refused, or the key has no record to show or forget); 2 the command line \
+                  was wrong; 3 forget deleted nothing: the key is in flight (or changed while \
+                  it ran), try again once it has completed."
 )]
 struct Cli {
     /// postgres://, mysql:// or sqlite://
@@ -53,10 +60,11 @@ enum Command {
     /// Claims in flight (processing), oldest first.
     ///
     /// Scope, key, method, path, age, and the time left on the lock (negative: the
-    /// lock has passed and the next retry takes the key over). On PostgreSQL and
-    /// MySQL a claim whose transaction is still open is not visible yet: the list
-    /// then says what can be known (PostgreSQL: how many sessions hold advisory
-    /// locks in an open transaction, and the oldest's age).
+    /// lock has passed and the next retry takes the key over). SQLite's claims are
+    /// committed rows; MySQL's are read before they commit, while their named lock
+    /// is held. PostgreSQL's cannot be read before they commit: the list then says
+    /// what can be known (how many claims are held in open transactions, and the
+    /// oldest's age).
     List {
         /// Only claims whose lock has passed.
         #[arg(long)]
@@ -68,10 +76,11 @@ enum Command {
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
-    /// One key's record in one scope.
+    /// One key's record in one scope, and whether it is in flight.
     ///
-    /// State, request, status, times, stored headers and body. Another scope's
-    /// record is never shown: if other scopes hold the same key, they are only named.
+    /// State, request, status, times, stored headers and body; for a key in flight,
+    /// the database session executing it. Another scope's record is never shown: if
+    /// other scopes hold the same key, they are only named.
     Show {
         /// The scope the key belongs to.
         #[arg(long)]
@@ -81,8 +90,9 @@ enum Command {
     },
     /// Delete one completed key, so that its next request runs the handler again.
     ///
-    /// For a response that must not be replayed any more. A claim in flight is never
-    /// deleted. Running instances keep replaying their copy in memory until their
+    /// For a response that must not be replayed any more. Only the completed record
+    /// it reads goes: a key in flight is never deleted, nor waited for (exit status
+    /// 3, at once). Running instances keep replaying their copy in memory until their
     /// replay cache's refresh has passed (30 seconds by default).
     Forget {
         /// The scope the key belongs to.
@@ -142,6 +152,9 @@ enum Fail {
     Failed(String),
     /// The command line asks for something that cannot be: exit status 2.
     Usage(String),
+    /// The key is busy: nothing was done, and trying again later may do it: exit
+    /// status 3.
+    Busy(String),
 }
 
 impl From<sqlx::Error> for Fail {
@@ -176,10 +189,32 @@ fn database_error(error: &sqlx::Error) -> String {
 }
 
 fn main() -> ExitCode {
-    let mut cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    let mut source = match matches.value_source("database_url") {
+        Some(ValueSource::EnvVariable) => "the environment's DATABASE_URL".to_owned(),
+        _ => "--database-url".to_owned(),
+    };
     if cli.database_url.is_none() {
-        cli.database_url = dotenv_database_url();
+        match dotenv_database_url() {
+            Ok(Some((url, file))) => {
+                cli.database_url = Some(url);
+                source = format!("DATABASE_URL in {}", file.display());
+            }
+            Ok(None) => {}
+            Err(message) => {
+                eprintln!("idem: {message}");
+                return ExitCode::from(2);
+            }
+        }
     }
+    let database = cli
+        .database_url
+        .as_deref()
+        .map(|url| format!("{} (from {source})", redacted(url)));
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -190,46 +225,72 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(run(cli)) {
+    let (code, message) = match runtime.block_on(run(cli)) {
         Ok(output) => {
             print!("{output}");
-            ExitCode::SUCCESS
+            return ExitCode::SUCCESS;
         }
-        Err(Fail::Failed(message)) => {
-            eprintln!("idem: {message}");
-            ExitCode::from(1)
-        }
-        Err(Fail::Usage(message)) => {
-            eprintln!("idem: {message}");
-            ExitCode::from(2)
-        }
+        Err(Fail::Failed(message)) => (1, message),
+        Err(Fail::Usage(message)) => (2, message),
+        Err(Fail::Busy(message)) => (3, message),
+    };
+    eprintln!("idem: {message}");
+    if code != 2
+        && let Some(database) = database
+    {
+        eprintln!("idem: database: {database}");
     }
+    ExitCode::from(code)
 }
 
 /// `DATABASE_URL` from the first `.env` file in the current directory or above it,
-/// as sqlx-cli finds it: `KEY=value` lines, `#` comments, an optional `export `,
-/// the value optionally quoted.
-fn dotenv_database_url() -> Option<String> {
-    let start = std::env::current_dir().ok()?;
-    let file = start
+/// parsed as sqlx-cli parses it (quotes, escapes, multi-line values, `${VAR}`
+/// expansion), with the file it came from. The environment is left as it is.
+fn dotenv_database_url() -> Result<Option<(String, PathBuf)>, String> {
+    let Ok(start) = std::env::current_dir() else {
+        return Ok(None);
+    };
+    let Some(file) = start
         .ancestors()
         .map(|dir| dir.join(".env"))
-        .find(|path| path.is_file())?;
-    let text = std::fs::read_to_string(file).ok()?;
-    text.lines().find_map(|line| {
-        let line = line.trim();
-        let line = line.strip_prefix("export ").unwrap_or(line);
-        let value = line
-            .strip_prefix("DATABASE_URL")?
-            .trim_start()
-            .strip_prefix('=')?;
-        let value = value.trim();
-        let unquoted = ['"', '\'']
-            .iter()
-            .find_map(|q| value.strip_prefix(*q)?.strip_suffix(*q))
-            .unwrap_or(value);
-        Some(unquoted.to_owned())
-    })
+        .find(|path| path.is_file())
+    else {
+        return Ok(None);
+    };
+    let unreadable = |error: dotenvy::Error| format!("{}: {error}", file.display());
+    for item in dotenvy::from_path_iter(&file).map_err(unreadable)? {
+        let (name, value) = item.map_err(unreadable)?;
+        if name == "DATABASE_URL" {
+            return Ok(Some((value, file)));
+        }
+    }
+    Ok(None)
+}
+
+/// `url` with its password elided, for messages: in the authority
+/// (`user:secret@host`) and in a `password=` parameter.
+fn redacted(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(start) = out.find("://").map(|at| at + 3) {
+        let end = out[start..]
+            .find(['/', '?'])
+            .map_or(out.len(), |at| start + at);
+        if let Some(at) = out[start..end].rfind('@').map(|at| start + at)
+            && let Some(colon) = out[start..at].find(':').map(|c| start + c)
+        {
+            out.replace_range(colon + 1..at, "***");
+        }
+    }
+    if let Some(query) = out.find('?') {
+        let mut params: Vec<String> = out[query + 1..].split('&').map(str::to_owned).collect();
+        for param in &mut params {
+            if param.starts_with("password=") {
+                *param = "password=***".to_owned();
+            }
+        }
+        out = format!("{}?{}", &out[..query], params.join("&"));
+    }
+    out
 }
 
 /// A pool on `url`, after one connection was made: a server that refuses or does
@@ -319,16 +380,7 @@ async fn run(cli: Cli) -> Result<String, Fail> {
     } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
         let pool = connect::<MySql>(&url.replacen("mariadb:", "mysql:", 1)).await?;
         let store = Idempotency::builder(pool).table(&table).build()?;
-        let listing = matches!(command, Command::List { .. });
-        let mut out = dispatch(&store, command).await?;
-        if listing {
-            out.push_str(
-                "MySQL keeps a claim in its transaction until it commits: the table shows \
-                 committed claims only. Claims in flight are among the open transactions \
-                 (information_schema.INNODB_TRX); the server ends an idle one at its lock.\n",
-            );
-        }
-        Ok(out)
+        dispatch(&store, command).await
     } else if url.starts_with("sqlite:") {
         let pool = connect::<Sqlite>(&url).await?;
         let store = Idempotency::builder(pool).table(&table).build()?;
@@ -368,16 +420,26 @@ async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Res
 }
 
 /// What PostgreSQL lets `list` know of claims it cannot show: a claim lives in its
-/// transaction until it commits, and only its advisory lock is visible meanwhile
-/// (not which key it locks, nor whose lock it is: other advisory locks count too).
+/// transaction until it commits, and only its advisory locks are visible meanwhile
+/// (not which key they lock). A claim takes a key's transaction lock and, unless
+/// the store goes through a transaction pooler, its session lock on the same 64
+/// bits: a session holding both is idem's. Other advisory locks are counted apart.
 async fn open_claims(pool: &Pool<Postgres>) -> Result<String, Fail> {
-    let (sessions, oldest): (i64, Option<f64>) = sqlx::query_as(
-        "SELECT count(DISTINCT l.pid), \
-                max(extract(epoch FROM clock_timestamp() - a.xact_start))::float8 \
-         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-         WHERE l.locktype = 'advisory' AND l.granted AND l.pid <> pg_backend_pid() \
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND a.xact_start IS NOT NULL",
+    let (claims, others, oldest): (i64, i64, Option<f64>) = sqlx::query_as(
+        "WITH held AS ( \
+             SELECT l.pid, l.classid, l.objid, l.objsubid, \
+                    extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS open \
+             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.granted AND l.pid <> pg_backend_pid() \
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND a.xact_start IS NOT NULL), \
+         claims AS ( \
+             SELECT t.pid, t.open FROM held t JOIN held s \
+               ON s.pid = t.pid AND s.classid = t.classid AND s.objid = t.objid \
+              AND t.objsubid = 1 AND s.objsubid = 2) \
+         SELECT (SELECT count(*) FROM claims), \
+                (SELECT count(DISTINCT pid) FROM held WHERE pid NOT IN (SELECT pid FROM claims)), \
+                (SELECT max(open) FROM held)",
     )
     .fetch_one(pool)
     .await?;
@@ -385,22 +447,23 @@ async fn open_claims(pool: &Pool<Postgres>) -> Result<String, Fail> {
         "PostgreSQL keeps a claim in its transaction until it commits: the table shows \
          committed claims only.\n",
     );
-    match oldest {
-        Some(seconds) if sessions > 0 => {
-            let _ = writeln!(
-                out,
-                "In flight now: {sessions} session(s) of this database hold advisory locks in an \
-                 open transaction (idem's claims among them), the oldest open for {}. The server \
-                 ends a claim's transaction at its lock, so one open longer than your longest \
-                 `lock` is not idem's.",
-                millis((seconds * 1000.0) as i64)
-            );
-        }
-        _ => out.push_str(
+    if claims + others == 0 {
+        out.push_str(
             "In flight now: no session of this database holds an advisory lock in a \
              transaction, so no claim is in flight.\n",
-        ),
+        );
+        return Ok(out);
     }
+    let oldest = millis((oldest.unwrap_or(0.0) * 1000.0) as i64);
+    let _ = writeln!(
+        out,
+        "In flight now: {claims} claim(s) (a key's transaction and session locks held \
+         together); {others} other session(s) of this database hold advisory locks in an \
+         open transaction (through a transaction pooler a claim takes only the transaction \
+         lock, so it is counted there). The oldest transaction has been open for {oldest}. \
+         The server ends a claim's transaction at its lock, so one open longer than your \
+         longest `lock` is not idem's; `idem show` tells whether one key is in flight."
+    );
     Ok(out)
 }
 
@@ -446,20 +509,60 @@ async fn forget<DB: Backend>(
     scope: &str,
     key: &str,
 ) -> Result<String, Fail> {
-    if store.forget(scope, key).await? {
-        return Ok(format!(
+    match store.forget(scope, key).await? {
+        Forgotten::Deleted => Ok(format!(
             "forgot {key} in scope {scope}: its next request runs the handler again \
              (running instances may replay it until their replay cache refreshes, \
              30 s by default)\n"
-        ));
+        )),
+        Forgotten::NotFound => Err(Fail::Failed(format!(
+            "scope {scope:?} holds no record of {key:?}: nothing deleted"
+        ))),
+        Forgotten::InFlight => {
+            let holder = store.in_flight(scope, key).await?;
+            let mut message = format!("{key} in scope {scope} is in flight: nothing deleted");
+            if let Some(holder) = &holder {
+                let _ = write!(message, " ({})", executing(holder));
+            }
+            message.push_str(
+                ". Forget it once it has completed (`idem show` tells); its executor's \
+                 record must not be deleted under it.",
+            );
+            Err(Fail::Busy(message))
+        }
+        Forgotten::Changed => Err(Fail::Busy(format!(
+            "{key} in scope {scope} was recorded anew while being deleted: nothing \
+             deleted. Look at it again with `idem show`."
+        ))),
+        other => Err(Fail::Busy(format!("{key} in scope {scope}: {other}"))),
     }
-    match store.inspect(scope, key).await? {
-        Some(record) if record.state == "processing" => Err(Fail::Failed(format!(
-            "{key} in scope {scope} is in flight, not completed: not deleted"
-        ))),
-        _ => Err(Fail::Failed(format!(
-            "no completed record of {key} in scope {scope}"
-        ))),
+}
+
+/// What is known of the executor holding a key, as a phrase.
+fn executing(holder: &InFlight) -> String {
+    let mut parts = Vec::new();
+    if let Some(session) = holder.session {
+        parts.push(format!("executing in database session {session}"));
+    }
+    match holder.age_ms {
+        Some(age) => parts.push(format!("for {}", millis(age))),
+        None if holder.session.is_some() => {
+            parts.push("for a time the database does not show this role".to_owned());
+        }
+        None => {}
+    }
+    match holder.lock_left_ms {
+        Some(left) if left <= 0 => parts.push(format!(
+            "its lock passed {} ago: stuck, the next request takes it over",
+            millis(-left)
+        )),
+        Some(left) => parts.push(format!("lock left {}", millis(left))),
+        None => {}
+    }
+    if parts.is_empty() {
+        "claimed".to_owned()
+    } else {
+        parts.join(", ")
     }
 }
 
@@ -470,8 +573,25 @@ async fn show<DB: Backend>(
 ) -> Result<String, Fail> {
     let mut out = String::new();
     let record = store.inspect(scope, key).await?;
+    let holder = store.in_flight(scope, key).await?;
     if let Some(record) = &record {
         describe(&mut out, record);
+    }
+    if let Some(holder) = &holder {
+        if record.is_none() {
+            let _ = writeln!(out, "scope:       {scope}");
+            let _ = writeln!(out, "key:         {key}");
+        }
+        let _ = writeln!(out, "in flight:   yes, {}", executing(holder));
+        match &record {
+            None => {
+                out.push_str("             its record is written when its transaction commits\n")
+            }
+            Some(record) if record.state == "completed" && record.expires_in_ms <= 0 => {
+                out.push_str("             the record above expired: this execution replaces it\n")
+            }
+            Some(_) => {}
+        }
     }
     let others = store.other_scopes(scope, key).await?;
     let note = (!others.is_empty()).then(|| {
@@ -481,8 +601,8 @@ async fn show<DB: Backend>(
             others.join(", ")
         )
     });
-    if record.is_none() {
-        let mut message = format!("scope {scope:?} holds no key {key:?}");
+    if record.is_none() && holder.is_none() {
+        let mut message = format!("scope {scope:?} holds no key {key:?}, and none is in flight");
         if let Some(note) = note {
             message = format!("{message}\n{note}");
         }
@@ -512,7 +632,10 @@ fn describe(out: &mut String, record: &KeyRecord) {
         let _ = writeln!(out, "status:      {status}");
     }
     let _ = writeln!(out, "age:         {}", millis(record.age_ms));
-    let _ = writeln!(out, "lock left:   {}", millis(record.lock_left_ms));
+    // A lock means something only while the key is claimed.
+    if record.state == "processing" {
+        let _ = writeln!(out, "lock left:   {}", millis(record.lock_left_ms));
+    }
     let _ = writeln!(out, "expires in:  {}", millis(record.expires_in_ms));
     if !record.headers.is_empty() {
         out.push_str("headers:\n");

@@ -1,31 +1,13 @@
 //! The `idem` binary against a real SQLite file: what an operator types, what it
 //! prints, and that it never shows another scope's record.
 
+mod support;
+
 use std::process::Command;
 
 use idem_runtime::Idempotency;
 use sqlx::sqlite::SqliteConnectOptions;
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn idem(url: &str, args: &[&str]) -> Run {
-    let output = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .arg("--database-url")
-        .arg(url)
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .output()
-        .expect("run idem");
-    Run {
-        code: output.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
-}
+use support::idem;
 
 const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -165,13 +147,21 @@ async fn operator_commands_on_sqlite() {
     let again = idem(&url, &["forget", "--scope", "bob", "k-done"]);
     assert_eq!(again.code, 1);
     assert!(
-        again.stderr.contains("no completed record"),
+        again.stderr.contains("holds no record") && again.stderr.contains("nothing deleted"),
         "{}",
         again.stderr
     );
+    // A stuck claim is still a claim: its next request takes it over.
     let claimed = idem(&url, &["forget", "--scope", "alice", "k-stuck"]);
-    assert_eq!(claimed.code, 1);
-    assert!(claimed.stderr.contains("in flight"), "{}", claimed.stderr);
+    assert_eq!(claimed.code, 3, "{}", claimed.stderr);
+    assert!(
+        claimed.stderr.contains("in flight: nothing deleted")
+            && claimed
+                .stderr
+                .contains("stuck, the next request takes it over"),
+        "{}",
+        claimed.stderr
+    );
     assert!(
         idem(&url, &["list"]).stdout.contains("k-stuck"),
         "claims stay"
@@ -266,11 +256,23 @@ async fn migration_prints_the_table_for_a_migration_tool() {
 /// source position. `DATABASE_URL` is found in a `.env` above the directory.
 #[tokio::test]
 async fn failures_say_what_to_do() {
-    // Nothing listens on port 1 of the loopback.
-    let refused = idem("postgres://postgres@127.0.0.1:1/postgres", &["list"]);
+    // Nothing listens on port 1 of the loopback. The message names the database,
+    // never its password.
+    let refused = idem(
+        "postgres://postgres:hunter2@127.0.0.1:1/postgres?password=hunter2",
+        &["list"],
+    );
     assert_eq!(refused.code, 1);
     assert!(
         refused.stderr.contains("cannot reach the database") && !refused.stderr.contains("pool"),
+        "{}",
+        refused.stderr
+    );
+    assert!(
+        refused.stderr.contains(
+            "database: postgres://postgres:***@127.0.0.1:1/postgres?password=*** \
+             (from --database-url)"
+        ) && !refused.stderr.contains("hunter2"),
         "{}",
         refused.stderr
     );
@@ -279,11 +281,14 @@ async fn failures_say_what_to_do() {
     let below = dir.join("service").join("src");
     std::fs::create_dir_all(&below).expect("scratch dir");
     let empty = dir.join("empty.db");
+    // Read as sqlx-cli reads it: `export`, quotes, and a variable the file set
+    // before, expanded.
     std::fs::write(
         dir.join(".env"),
         format!(
-            "# the service's settings\nRUST_LOG=info\nexport DATABASE_URL=\"sqlite://{}?mode=rwc\"\n",
-            empty.display()
+            "# the service's settings\nRUST_LOG=info\nDATA_DIR='{}'\n\
+             export DATABASE_URL=\"sqlite://${{DATA_DIR}}/empty.db?mode=rwc\"\n",
+            dir.display()
         ),
     )
     .expect(".env");
@@ -298,6 +303,14 @@ async fn failures_say_what_to_do() {
     assert!(
         stderr.contains("no such table") && stderr.contains("migrate"),
         "the .env's database was used, and its missing table named: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "database: sqlite://{}?mode=rwc (from DATABASE_URL in {})",
+            empty.display(),
+            dir.join(".env").display()
+        )),
+        "{stderr}"
     );
     assert!(!stderr.contains(" at line "), "{stderr}");
 
@@ -420,9 +433,10 @@ async fn postgres_list_tells_what_it_cannot_see() {
     assert_eq!(busy.code, 0, "{}", busy.stderr);
     assert!(
         busy.stdout.contains("committed claims only")
+            && busy.stdout.contains("0 claim(s)")
             && busy
                 .stdout
-                .contains("1 session(s) of this database hold advisory locks"),
+                .contains("1 other session(s) of this database hold advisory locks"),
         "{}",
         busy.stdout
     );

@@ -739,12 +739,15 @@ impl Driver for Postgres {
         .bind(advisory_seed(digest))
         .fetch_one(&mut *tx)
         .await?;
+        // Whatever is not deleted lets the key's lock go at once, not when the
+        // pool next pings the connection.
         if !free {
+            tx.rollback().await?;
             return Ok(Forgotten::InFlight);
         }
         // A row a transaction has locked (an expired record being run again) is
         // in flight: NOWAIT answers at once instead of waiting for its commit.
-        let rows: Vec<(i64, String)> = match sqlx::query_as(AssertSqlSafe(format!(
+        let read: Result<Vec<(i64, String)>, _> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT lease, state FROM {} WHERE scope = $1 AND idempotency_key = $2 \
              FOR UPDATE NOWAIT",
             sql.table
@@ -753,34 +756,34 @@ impl Driver for Postgres {
         .bind(scope)
         .bind(key)
         .fetch_all(&mut *tx)
-        .await
-        {
+        .await;
+        let kept = match read {
             // lock_not_available
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
-                return Ok(Forgotten::InFlight);
+                Forgotten::InFlight
             }
-            rows => rows?,
+            Err(error) => return Err(error),
+            Ok(rows) if rows.is_empty() => Forgotten::NotFound,
+            Ok(rows) if rows.iter().any(|(_, state)| state != "completed") => Forgotten::InFlight,
+            Ok(rows) => {
+                let leases: Vec<i64> = rows.iter().map(|(lease, _)| *lease).collect();
+                sqlx::query(AssertSqlSafe(format!(
+                    "DELETE FROM {} WHERE scope = $1 AND idempotency_key = $2 \
+                       AND state = 'completed' AND lease = ANY($3)",
+                    sql.table
+                )))
+                .persistent(false)
+                .bind(scope)
+                .bind(key)
+                .bind(leases)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                return Ok(Forgotten::Deleted);
+            }
         };
-        if rows.is_empty() {
-            return Ok(Forgotten::NotFound);
-        }
-        if rows.iter().any(|(_, state)| state != "completed") {
-            return Ok(Forgotten::InFlight);
-        }
-        let leases: Vec<i64> = rows.iter().map(|(lease, _)| *lease).collect();
-        sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {} WHERE scope = $1 AND idempotency_key = $2 \
-               AND state = 'completed' AND lease = ANY($3)",
-            sql.table
-        )))
-        .persistent(false)
-        .bind(scope)
-        .bind(key)
-        .bind(leases)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(Forgotten::Deleted)
+        tx.rollback().await?;
+        Ok(kept)
     }
 
     async fn idem_in_flight(

@@ -95,8 +95,9 @@ async fn list_orders(
     Ok(Json(rows.into_iter().map(order).collect()))
 }
 
-/// The app on `pool`: its tables, created if missing, and its routes.
-async fn app(pool: SqlitePool) -> Result<Router, sqlx::Error> {
+/// The app on `pool`: its tables, created if missing, and its routes; and its
+/// store, which tests may steer (`idem_axum::testing::ExactlyOnce`).
+async fn app(pool: SqlitePool) -> Result<(Router, Idempotency<Sqlite>), sqlx::Error> {
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, owner TEXT NOT NULL, \
          item TEXT NOT NULL, quantity INTEGER NOT NULL)",
@@ -105,15 +106,19 @@ async fn app(pool: SqlitePool) -> Result<Router, sqlx::Error> {
     .await?;
     let idempotency = Idempotency::new(pool.clone());
     idempotency.migrate().await?; // the key table, created once
-    Ok(Router::new()
+    let router = Router::new()
         .route("/orders", post(create_order).get(list_orders))
-        .with_state(AppState { idempotency, pool }))
+        .with_state(AppState {
+            idempotency: idempotency.clone(),
+            pool,
+        });
+    Ok((router, idempotency))
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = SqlitePool::connect("sqlite://quickstart.db?mode=rwc").await?;
-    let app = app(pool).await?;
+    let (app, _) = app(pool).await?;
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(bind).await?;
     println!("listening on http://{}", listener.local_addr()?);
@@ -136,12 +141,18 @@ mod tests {
 
     /// One connection: an in-memory database lives as long as its connection.
     async fn test_app() -> (Router, SqlitePool) {
+        let (router, _, pool) = test_app_and_store().await;
+        (router, pool)
+    }
+
+    async fn test_app_and_store() -> (Router, Idempotency<Sqlite>, SqlitePool) {
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
             .connect("sqlite::memory:")
             .await
             .expect("in-memory database");
-        (app(pool.clone()).await.expect("app"), pool)
+        let (router, store) = app(pool.clone()).await.expect("app");
+        (router, store, pool)
     }
 
     async fn order(app: &Router, key: Option<&str>, body: &str) -> (Response<Body>, Bytes) {
@@ -187,6 +198,30 @@ mod tests {
         let (reused, _) = order(&app, Some("order-1"), other).await;
         assert_eq!(reused.status(), StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(orders(&pool).await, 1);
+    }
+
+    /// The testing kit (feature `testing`): duplicates sent while the first order is
+    /// held in flight, a record that fails on purpose (the order must go with it), a
+    /// retry and another body under a used key, counting the orders stored.
+    #[tokio::test]
+    async fn create_order_runs_exactly_once() {
+        let (app, store, pool) = test_app_and_store().await;
+        let request = || {
+            Request::post("/orders")
+                .header("x-user", "alice")
+                .header("content-type", "application/json")
+                .body(Body::from(BOOK))
+                .expect("request")
+        };
+        let count = move || {
+            let pool = pool.clone();
+            async move { orders(&pool).await }
+        };
+        let report = idem_axum::testing::ExactlyOnce::new(app, &store, request, count)
+            .check()
+            .await
+            .expect("create_order runs exactly once");
+        assert_eq!(report.overlapped, 7, "every duplicate overlapped the first");
     }
 
     #[tokio::test]

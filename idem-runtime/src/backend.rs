@@ -537,6 +537,17 @@ pub mod enabled {
             committed: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'c;
 
+        /// `testing::ExactlyOnce`: while `on`, handlers' transactions begin
+        /// without taking a lock another connection's write would wait for
+        /// (SQLite's write lock), so that a write a handler makes through the pool
+        /// commits and is counted instead of waiting for the handler's own
+        /// transaction. Elsewhere nothing.
+        #[cfg(feature = "testing")]
+        #[doc(hidden)]
+        fn idem_testing_deferred(sql: &Self::IdemSql, on: bool) {
+            let _ = (sql, on);
+        }
+
         /// Whether a finish that failed with `error` may succeed if tried again:
         /// the database was only busy. By default never.
         #[doc(hidden)]

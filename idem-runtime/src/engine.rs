@@ -367,6 +367,10 @@ impl<DB: Backend> Idempotency<DB> {
         request: &RequestIdentity,
         options: Options,
     ) -> Option<(Outcome, Response<Bytes>)> {
+        #[cfg(feature = "testing")]
+        if request.key.is_some() {
+            self.inner().hooks.arrived();
+        }
         // Nothing is claimed, so nothing for `close` to wait for: only refused.
         if self.inner().lifecycle.is_draining() {
             return None;
@@ -687,6 +691,10 @@ impl<DB: Backend> Idempotency<DB> {
             // the claim goes with it (SQLite's row once `lock` has passed).
             return Step::Done(Outcome::Released, self.failed(ran));
         };
+        // `testing::ExactlyOnce` holds one execution here, the handler done and its
+        // writes not yet committed, while it sends duplicates.
+        #[cfg(feature = "testing")]
+        self.inner().hooks.hold_here(lock / 2).await;
         let clean;
         let mut committed = false;
         let (outcome, response, mut conn) = match ran {

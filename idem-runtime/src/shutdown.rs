@@ -150,6 +150,12 @@ impl Lifecycle {
         self.draining.load(Ordering::SeqCst)
     }
 
+    /// Executions counted in and not yet done.
+    #[cfg(feature = "testing")]
+    pub(crate) fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
     /// Resolves once `close` cancels the executions in flight.
     pub(crate) fn cancelled(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut cancel = self.cancel.subscribe();

@@ -28,6 +28,10 @@ pub struct Sql {
     sweep: Arc<str>,
     /// How the handler's transaction begins.
     begin: &'static str,
+    /// `testing::ExactlyOnce` begins it deferred for a while (see
+    /// `Driver::idem_testing_deferred`).
+    #[cfg(feature = "testing")]
+    deferred_now: std::sync::atomic::AtomicBool,
     /// The key table, in the `main` schema: a temporary table or view of the
     /// same name, which a handler may create, comes before `main` otherwise.
     table: Box<str>,
@@ -106,6 +110,8 @@ impl Driver for Sqlite {
             )
             .into(),
             table: table.into(),
+            #[cfg(feature = "testing")]
+            deferred_now: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -166,7 +172,7 @@ impl Driver for Sqlite {
         // The busy timeout comes back in the same round trip as the `BEGIN`, which
         // must wait for the writer as configured. If this fails the claim is
         // committed: the engine releases it.
-        let begin = format!("PRAGMA busy_timeout = {patience}; {}", sql.begin);
+        let begin = format!("PRAGMA busy_timeout = {patience}; {}", sql.begin());
         conn.begin_with(AssertSqlSafe(begin)).await.map(Some)
     }
 
@@ -267,6 +273,12 @@ impl Driver for Sqlite {
             }
         }
         Ok(())
+    }
+
+    #[cfg(feature = "testing")]
+    fn idem_testing_deferred(sql: &Sql, on: bool) {
+        sql.deferred_now
+            .store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn idem_finish_again(error: &sqlx::Error) -> bool {
@@ -381,6 +393,17 @@ impl Driver for Sqlite {
             sql.table
         );
         fetch::<Sqlite>(conn, sql, params).await
+    }
+}
+
+impl Sql {
+    /// How the handler's transaction begins now.
+    fn begin(&self) -> &'static str {
+        #[cfg(feature = "testing")]
+        if self.deferred_now.load(std::sync::atomic::Ordering::SeqCst) {
+            return "BEGIN DEFERRED";
+        }
+        self.begin
     }
 }
 

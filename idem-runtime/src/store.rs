@@ -88,9 +88,9 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) replay_cache: Option<ReplayCache>,
     pub(crate) signals: Signals,
     pub(crate) lifecycle: Arc<Lifecycle>,
-    /// Records fail on purpose, for `testing::ExactlyOnce`.
+    /// What `testing::ExactlyOnce` steers and watches.
     #[cfg(feature = "testing")]
-    pub(crate) failing_records: std::sync::atomic::AtomicBool,
+    pub(crate) hooks: crate::testing::Hooks,
 }
 
 impl<DB> Clone for Idempotency<DB> {
@@ -212,23 +212,10 @@ impl<DB: Backend> Idempotency<DB> {
             .collect()
     }
 
-    /// Makes every record fail (`on`) as if the database had refused it, so that
-    /// the handler's transaction rolls back: `testing::ExactlyOnce` then sees what
-    /// a handler wrote outside it.
-    #[cfg(feature = "testing")]
-    pub(crate) fn fail_records(&self, on: bool) {
-        self.inner()
-            .failing_records
-            .store(on, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Whether records fail on purpose (see `fail_records`).
+    /// Whether records fail on purpose (`testing::ExactlyOnce`'s first check).
     pub(crate) fn records_fail(&self) -> bool {
         #[cfg(feature = "testing")]
-        return self
-            .inner()
-            .failing_records
-            .load(std::sync::atomic::Ordering::SeqCst);
+        return self.inner().hooks.records_fail();
         #[cfg(not(feature = "testing"))]
         false
     }
@@ -403,7 +390,7 @@ impl<DB: Backend> Builder<DB> {
                 signals: Signals::new(),
                 lifecycle: Arc::new(Lifecycle::new()),
                 #[cfg(feature = "testing")]
-                failing_records: std::sync::atomic::AtomicBool::new(false),
+                hooks: crate::testing::Hooks::default(),
             }),
         }
     }

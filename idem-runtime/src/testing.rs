@@ -9,12 +9,34 @@
 //!    that writes through the pool instead of its `Tx` fails here: its write
 //!    commits although nothing was recorded, and the client's retry would write
 //!    again;
-//! 2. **concurrent duplicates run it once**: requests sent together with one key
-//!    move the count as much as one execution does, and are answered the first
-//!    answer or 409 while it runs;
+//! 2. **concurrent duplicates run it once**: the first request's execution is held
+//!    in flight by the store, its handler done and its writes not yet committed,
+//!    while duplicates with its key arrive; they move the count as much as one
+//!    execution does, and are answered the first answer or 409. However fast the
+//!    handler, however small the pool, the duplicates overlap it for real
+//!    ([`Report::overlapped`]), or the check fails saying why;
 //! 3. **a retry replays byte for byte**: the same status and body, with
 //!    `Idempotent-Replayed: true`, and the count does not move;
 //! 4. **another body with the key is refused**: 422, and the count does not move.
+//!
+//! It also names what is not a check's failure but a setup's: a request that
+//! never reaches the store ([`Failure::NotIdempotent`]: no `#[idempotent]`, or a
+//! router whose state holds another store), and a handler that waits for a
+//! connection of the pool while its `Tx` holds the last one
+//! ([`Failure::WaitsForPool`], after [`ExactlyOnce::patience`]: what a handler
+//! that uses the pool does on a one-connection pool, such as an in-memory SQLite
+//! database's). On SQLite, the handler's transaction begins without the write lock
+//! during the single requests of checks 1 and 3, so that a write through the pool
+//! commits and is counted instead of waiting for that lock.
+//!
+//! # What to count
+//!
+//! Count the rows the handler writes in its own tables (orders, payments, ledger
+//! lines): what a second execution would write again. Do not count calls to an
+//! external provider to which the handler relays its key
+//! ([`IdempotencyKey::derive`](crate::IdempotencyKey::derive)): the provider
+//! deduplicates them itself, so check 1 sees the call made although the record
+//! failed, and reports it as a write outside the `Tx`, which it is not.
 //!
 //! Give it a store no other test uses meanwhile: for the first check, every record
 //! of that store fails, whoever sends the request.
@@ -29,6 +51,7 @@
 //! use axum::http::Request;
 //! use idem_axum::testing::ExactlyOnce;
 //!
+//! // The rows create_order writes: what a second execution would write again.
 //! let orders = move || {
 //!     let pool = pool.clone();
 //!     async move {
@@ -45,59 +68,96 @@
 //!         .body(Body::from(r#"{"item": "book", "quantity": 2}"#))
 //!         .expect("request")
 //! };
-//! ExactlyOnce::new(app, &store, request, orders)
+//! // A failure prints its sentence, e.g. "WroteOutsideTx: the count moved by 1 …".
+//! let report = ExactlyOnce::new(app, &store, request, orders)
 //!     .check()
 //!     .await
 //!     .expect("create_order runs exactly once");
+//! assert!(report.overlapped > 0);
 //! # }
 //! ```
 
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::{Pin, pin};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, Request, StatusCode};
+use futures_util::future::{Either, join_all, select};
 use http_body_util::BodyExt as _;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tower_service::Service as _;
 
 use crate::{Backend, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 
 type Count = Box<dyn Fn() -> Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
 
+/// How long the kit waits for the first of the duplicates to be held in flight,
+/// and then for the duplicates to reach the store, before it says it could not
+/// make them overlap.
+const OVERLAP_BOUND: Duration = Duration::from_secs(10);
+
+/// How often a pending request's store is looked at.
+const LOOK_EVERY: Duration = Duration::from_millis(25);
+
 /// A check that a handler runs exactly once per key; see the [module](self).
 pub struct ExactlyOnce {
     router: Router,
     request: Box<dyn Fn() -> Request<Body> + Send + Sync>,
     count: Count,
-    fail_records: Box<dyn Fn(bool) + Send + Sync>,
+    store: Box<dyn Probe>,
     duplicates: usize,
     other_body: Option<Bytes>,
+    patience: Duration,
 }
 
 impl fmt::Debug for ExactlyOnce {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ExactlyOnce")
             .field("duplicates", &self.duplicates)
+            .field("patience", &self.patience)
             .finish_non_exhaustive()
     }
 }
 
-/// Why a handler is not exactly-once, with what was seen.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why a handler is not exactly-once, with what was seen. Its `Debug` is its
+/// sentence, after the variant's name, so that `.expect(…)` prints it.
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Failure {
     /// One request moved nothing: the count given does not count what the handler
     /// writes, and nothing else can be checked.
     NothingCounted,
+    /// A keyed request never reached the store given to the kit: the handler is
+    /// not `#[idempotent]` (nor runs through `IdempotentRequest`), or the router's
+    /// state holds another store.
+    NotIdempotent,
     /// The handler wrote although its record failed, so nothing was committed in
     /// its transaction: it writes outside its `Tx` (through the pool, or another
     /// connection), and a retry would write again.
     WroteOutsideTx {
         /// How much the count moved.
         moved: i64,
+    },
+    /// A request did not answer within [`ExactlyOnce::patience`] while its `Tx`
+    /// held every connection of the pool: the handler waits for a connection of
+    /// the pool, so it uses the pool instead of its `Tx`, and what it writes there
+    /// would commit outside the transaction.
+    WaitsForPool {
+        /// The pool's connections, all out.
+        connections: u32,
+        /// How long the request had waited.
+        waited: Duration,
+    },
+    /// The duplicates could not be made to overlap the first execution.
+    NotConcurrent {
+        /// What happened instead.
+        why: &'static str,
     },
     /// An answer that should not be: `what` names the step.
     Unexpected {
@@ -119,11 +179,29 @@ pub enum Failure {
     },
 }
 
+impl Failure {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::NothingCounted => "NothingCounted",
+            Self::NotIdempotent => "NotIdempotent",
+            Self::WroteOutsideTx { .. } => "WroteOutsideTx",
+            Self::WaitsForPool { .. } => "WaitsForPool",
+            Self::NotConcurrent { .. } => "NotConcurrent",
+            Self::Unexpected { .. } => "Unexpected",
+            Self::RanMoreThanOnce { .. } => "RanMoreThanOnce",
+        }
+    }
+}
+
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::NothingCounted => f.write_str(
                 "one request did not move the count: give a count of what the handler writes",
+            ),
+            Self::NotIdempotent => f.write_str(
+                "a keyed request never reached the store given to the kit: the handler is \
+                 not #[idempotent], or its router's state holds another store",
             ),
             Self::WroteOutsideTx { moved } => write!(
                 f,
@@ -131,6 +209,21 @@ impl fmt::Display for Failure {
                  rolled back: the handler writes outside its Tx (through the pool?), so a \
                  retry writes again"
             ),
+            Self::WaitsForPool {
+                connections,
+                waited,
+            } => write!(
+                f,
+                "the handler writes outside its Tx: a request waited {:.1} s while its Tx \
+                 held every connection of the pool ({connections}), so the handler waits for \
+                 one, i.e. it uses the pool instead of its Tx; what it writes there commits \
+                 outside the transaction, and a retry writes again (a handler that is only \
+                 slow needs more `ExactlyOnce::patience`)",
+                waited.as_secs_f64()
+            ),
+            Self::NotConcurrent { why } => {
+                write!(f, "concurrent duplicates were not tested: {why}")
+            }
             Self::Unexpected { what, status, body } => {
                 write!(f, "{what}: answered {status}: {body}")
             }
@@ -140,6 +233,12 @@ impl fmt::Display for Failure {
                  handler ran more than once"
             ),
         }
+    }
+}
+
+impl fmt::Debug for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {self}", self.name())
     }
 }
 
@@ -153,13 +252,16 @@ pub struct Report {
     pub once: i64,
     /// Of the concurrent duplicates, how many were answered 409 while the first ran.
     pub conflicts: usize,
+    /// Of the concurrent duplicates, how many reached the store while the first
+    /// execution was held in flight: all of them, unless the check failed.
+    pub overlapped: usize,
 }
 
 impl ExactlyOnce {
     /// A check of the handler `router` routes `request` to, on `store` (the one in
     /// the router's state), with `count` counting what the handler writes (rows of
-    /// its business table). `request` builds the request without a key: the check
-    /// gives each step a key of its own.
+    /// its business tables: see [What to count](self#what-to-count)). `request`
+    /// builds the request without a key: the check gives each step a key of its own.
     pub fn new<DB, R, C, F>(router: Router, store: &Idempotency<DB>, request: R, count: C) -> Self
     where
         DB: Backend,
@@ -167,14 +269,15 @@ impl ExactlyOnce {
         C: Fn() -> F + Send + Sync + 'static,
         F: Future<Output = i64> + Send + 'static,
     {
-        let store = store.clone();
+        store.inner().hooks.watch();
         Self {
             router,
             request: Box::new(request),
             count: Box::new(move || Box::pin(count())),
-            fail_records: Box::new(move |on| store.fail_records(on)),
+            store: Box::new(store.clone()),
             duplicates: 8,
             other_body: None,
+            patience: Duration::from_secs(2),
         }
     }
 
@@ -191,21 +294,46 @@ impl ExactlyOnce {
         self
     }
 
+    /// How long a request may go unanswered while its `Tx` holds every connection
+    /// of the pool before the check concludes that the handler waits for the pool
+    /// ([`Failure::WaitsForPool`]); 2 seconds by default. Raise it for a handler
+    /// that is slow on purpose (a provider's latency) on a one-connection pool.
+    pub fn patience(mut self, patience: Duration) -> Self {
+        self.patience = patience;
+        self
+    }
+
     /// Runs the checks of the [module](self), in order; the first that fails is
     /// returned.
     pub async fn check(self) -> Result<Report, Failure> {
         let once = self.one_execution().await?;
         self.writes_go_through_the_tx().await?;
-        let (answer, conflicts) = self.duplicates_run_once(once).await?;
+        let (answer, conflicts, overlapped) = self.duplicates_run_once(once).await?;
         self.retries_replay(&answer, once).await?;
         self.other_bodies_are_refused(&answer.key, once).await?;
-        Ok(Report { once, conflicts })
+        Ok(Report {
+            once,
+            conflicts,
+            overlapped,
+        })
     }
 
     async fn one_execution(&self) -> Result<i64, Failure> {
-        let (answer, once) = self.counted(&fresh_key(), None).await;
+        let arrived = self.store.hooks().arrivals();
+        self.store.defer_write_lock(true);
+        let counted = self.counted(&fresh_key(), None).await;
+        self.store.defer_write_lock(false);
+        let (answer, once) = counted?;
+        if self.store.hooks().arrivals() == arrived {
+            return Err(Failure::NotIdempotent);
+        }
         if !answer.status.is_success() {
-            return Err(answer.unexpected("one request, expected a 2xx"));
+            return Err(answer.unexpected(if self.store.backend() == "SQLite" {
+                "one request, expected a 2xx (on SQLite, a handler that writes through the \
+                 pool while its Tx holds the write lock fails with `database is locked`)"
+            } else {
+                "one request, expected a 2xx"
+            }));
         }
         if once == 0 {
             return Err(Failure::NothingCounted);
@@ -214,9 +342,12 @@ impl ExactlyOnce {
     }
 
     async fn writes_go_through_the_tx(&self) -> Result<(), Failure> {
-        (self.fail_records)(true);
-        let (answer, moved) = self.counted(&fresh_key(), None).await;
-        (self.fail_records)(false);
+        self.store.hooks().fail_records(true);
+        self.store.defer_write_lock(true);
+        let counted = self.counted(&fresh_key(), None).await;
+        self.store.defer_write_lock(false);
+        self.store.hooks().fail_records(false);
+        let (answer, moved) = counted?;
         if moved != 0 {
             return Err(Failure::WroteOutsideTx { moved });
         }
@@ -226,11 +357,55 @@ impl ExactlyOnce {
         Ok(())
     }
 
-    async fn duplicates_run_once(&self, once: i64) -> Result<(Answer, usize), Failure> {
+    /// Holds the first request's execution in flight until every duplicate has
+    /// reached the store (or been answered), then lets it record.
+    async fn duplicates_run_once(&self, once: i64) -> Result<(Answer, usize, usize), Failure> {
         let key = fresh_key();
         let before = (self.count)().await;
-        let sends = (0..self.duplicates).map(|_| self.send(&key, None));
-        let answers = futures_util::future::join_all(sends).await;
+        let hooks = self.store.hooks();
+        let (reached, release) = hooks.hold_next();
+        let arrived = hooks.arrivals();
+        let mut first = pin!(self.send(&key, None));
+        let waiting = pin!(tokio::time::timeout(OVERLAP_BOUND, reached));
+        match select(first.as_mut(), waiting).await {
+            Either::Right((Ok(Ok(())), _)) => {}
+            Either::Left((answer, _)) => {
+                hooks.unhold();
+                if !answer.status.is_success() {
+                    return Err(
+                        answer.unexpected("the first of concurrent duplicates, expected a 2xx")
+                    );
+                }
+                return Err(Failure::NotConcurrent {
+                    why: "the first request was answered without executing",
+                });
+            }
+            Either::Right(_) => {
+                hooks.unhold();
+                return Err(Failure::NotConcurrent {
+                    why: "the first request was not executing after 10 s",
+                });
+            }
+        }
+        let others = self.duplicates - 1;
+        let mut sends = pin!(join_all((0..others).map(|_| self.send(&key, None))));
+        let until = Instant::now() + OVERLAP_BOUND;
+        let mut answered = None;
+        while hooks.arrivals() - arrived < 1 + others as u64 && Instant::now() < until {
+            if let Ok(answers) = tokio::time::timeout(LOOK_EVERY, sends.as_mut()).await {
+                answered = Some(answers);
+                break;
+            }
+        }
+        // The first arrived too.
+        let overlapped = hooks.arrivals().saturating_sub(arrived + 1);
+        let overlapped = usize::try_from(overlapped).unwrap_or(usize::MAX);
+        let _ = release.send(());
+        let first = first.await;
+        let answers = match answered {
+            Some(answers) => answers,
+            None => sends.await,
+        };
         let moved = (self.count)().await - before;
         if moved != once {
             return Err(Failure::RanMoreThanOnce {
@@ -239,7 +414,14 @@ impl ExactlyOnce {
                 moved,
             });
         }
-        let mut first: Option<Answer> = None;
+        if overlapped < others {
+            return Err(Failure::NotConcurrent {
+                why: "the duplicates did not reach the store within 10 s of the first's execution",
+            });
+        }
+        if !first.status.is_success() {
+            return Err(first.unexpected("the first of concurrent duplicates, expected a 2xx"));
+        }
         let mut conflicts = 0;
         for answer in answers {
             if answer.status == StatusCode::CONFLICT {
@@ -249,27 +431,17 @@ impl ExactlyOnce {
             if !answer.status.is_success() {
                 return Err(answer.unexpected("a concurrent duplicate, expected a 2xx or 409"));
             }
-            match &first {
-                None => first = Some(answer),
-                Some(first) if first.status == answer.status && first.body == answer.body => {}
-                Some(_) => {
-                    return Err(answer
-                        .unexpected("a concurrent duplicate, expected the first answer again"));
-                }
+            if answer.status != first.status || answer.body != first.body {
+                return Err(
+                    answer.unexpected("a concurrent duplicate, expected the first answer again")
+                );
             }
         }
-        let Some(answer) = first else {
-            return Err(Failure::Unexpected {
-                what: "concurrent duplicates, expected one answered 2xx",
-                status: StatusCode::CONFLICT.as_u16(),
-                body: String::new(),
-            });
-        };
-        Ok((answer, conflicts))
+        Ok((first, conflicts, overlapped))
     }
 
     async fn retries_replay(&self, first: &Answer, once: i64) -> Result<(), Failure> {
-        let (replay, moved) = self.counted(&first.key, None).await;
+        let (replay, moved) = self.counted(&first.key, None).await?;
         if moved != 0 {
             return Err(Failure::RanMoreThanOnce {
                 what: "a retry",
@@ -293,7 +465,7 @@ impl ExactlyOnce {
                 Bytes::from(body)
             }
         };
-        let (other, moved) = self.counted(key, Some(body)).await;
+        let (other, moved) = self.counted(key, Some(body)).await?;
         if moved != 0 {
             return Err(Failure::RanMoreThanOnce {
                 what: "another body with a used key",
@@ -307,12 +479,38 @@ impl ExactlyOnce {
         Ok(())
     }
 
-    /// Sends one request with `key` (and `body` in place of the request's): its
-    /// answer, and how much it moved the count.
-    async fn counted(&self, key: &str, body: Option<Bytes>) -> (Answer, i64) {
+    /// Sends one request with `key` (and `body` in place of the request's), alone:
+    /// its answer, and how much it moved the count.
+    async fn counted(&self, key: &str, body: Option<Bytes>) -> Result<(Answer, i64), Failure> {
         let before = (self.count)().await;
-        let answer = self.send(key, body).await;
-        (answer, (self.count)().await - before)
+        let answer = self.send_alone(key, body).await?;
+        Ok((answer, (self.count)().await - before))
+    }
+
+    /// [`send`](Self::send), watching the store meanwhile: a request that waits
+    /// while its `Tx` holds every connection of the pool is a handler waiting for
+    /// the pool, which would wait until the pool's acquire timeout.
+    async fn send_alone(&self, key: &str, body: Option<Bytes>) -> Result<Answer, Failure> {
+        let began = Instant::now();
+        let mut starved_since = None;
+        let mut answer = pin!(self.send(key, body));
+        loop {
+            if let Ok(answer) = tokio::time::timeout(LOOK_EVERY, answer.as_mut()).await {
+                return Ok(answer);
+            }
+            let starved = self.store.starved().filter(|_| self.store.running() > 0);
+            match (starved, starved_since) {
+                (None, _) => starved_since = None,
+                (Some(_), None) => starved_since = Some(Instant::now()),
+                (Some(connections), Some(since)) if since.elapsed() >= self.patience => {
+                    return Err(Failure::WaitsForPool {
+                        connections,
+                        waited: began.elapsed(),
+                    });
+                }
+                (Some(_), Some(_)) => {}
+            }
+        }
     }
 
     /// The body `request` builds.
@@ -358,6 +556,121 @@ impl ExactlyOnce {
             status,
             body,
             replayed,
+        }
+    }
+}
+
+/// What the kit steers and watches in a store, whatever its database.
+trait Probe: Send + Sync {
+    fn hooks(&self) -> &Hooks;
+    fn defer_write_lock(&self, on: bool);
+    /// Executions in flight.
+    fn running(&self) -> usize;
+    /// The pool's connections when every one it may open is out.
+    fn starved(&self) -> Option<u32>;
+    fn backend(&self) -> &'static str;
+}
+
+impl<DB: Backend> Probe for Idempotency<DB> {
+    fn hooks(&self) -> &Hooks {
+        &self.inner().hooks
+    }
+
+    fn defer_write_lock(&self, on: bool) {
+        DB::idem_testing_deferred(&self.inner().sql, on);
+    }
+
+    fn running(&self) -> usize {
+        self.inner().lifecycle.running()
+    }
+
+    fn starved(&self) -> Option<u32> {
+        let pool = &self.inner().pool;
+        let most = pool.options().get_max_connections();
+        (pool.size() >= most && pool.num_idle() == 0).then_some(most)
+    }
+
+    fn backend(&self) -> &'static str {
+        DB::NAME
+    }
+}
+
+/// What [`ExactlyOnce`] steers and watches in the engine of a store.
+#[derive(Debug, Default)]
+pub(crate) struct Hooks {
+    /// Set once a kit watches the store: until then the engine's requests pay
+    /// one load here, not a shared count or a lock (benchmarks build this feature).
+    watched: AtomicBool,
+    failing_records: AtomicBool,
+    /// Keyed requests that reached the store.
+    arrivals: AtomicU64,
+    /// The next execution to reach `hold_here` waits there.
+    hold: Mutex<Option<Hold>>,
+}
+
+/// An execution held in flight: `reached` is sent when it gets there, and it goes
+/// on when `release` is (or is dropped).
+#[derive(Debug)]
+struct Hold {
+    reached: oneshot::Sender<()>,
+    release: oneshot::Receiver<()>,
+}
+
+impl Hooks {
+    /// Whether records fail as if the database had refused them: the handler's
+    /// transaction then rolls back.
+    pub(crate) fn records_fail(&self) -> bool {
+        self.failing_records.load(Ordering::SeqCst)
+    }
+
+    fn fail_records(&self, on: bool) {
+        self.failing_records.store(on, Ordering::SeqCst);
+    }
+
+    fn watch(&self) {
+        self.watched.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn arrived(&self) {
+        if self.watched.load(Ordering::Relaxed) {
+            self.arrivals.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn arrivals(&self) -> u64 {
+        self.arrivals.load(Ordering::SeqCst)
+    }
+
+    /// Arms the hold for the next execution: the first receiver says it is held,
+    /// the sender lets it go.
+    fn hold_next(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (reached, is_reached) = oneshot::channel();
+        let (release, released) = oneshot::channel();
+        if let Ok(mut hold) = self.hold.lock() {
+            *hold = Some(Hold {
+                reached,
+                release: released,
+            });
+        }
+        (is_reached, release)
+    }
+
+    fn unhold(&self) {
+        if let Ok(mut hold) = self.hold.lock() {
+            hold.take();
+        }
+    }
+
+    /// Where the engine holds an execution, if one is asked for: until released,
+    /// and never longer than `bound` (half its lock, which goes on running).
+    pub(crate) async fn hold_here(&self, bound: Duration) {
+        if !self.watched.load(Ordering::Relaxed) {
+            return;
+        }
+        let hold = self.hold.lock().ok().and_then(|mut hold| hold.take());
+        if let Some(hold) = hold {
+            let _ = hold.reached.send(());
+            let _ = tokio::time::timeout(bound, hold.release).await;
         }
     }
 }

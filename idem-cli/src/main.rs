@@ -205,6 +205,8 @@ fn main() -> ExitCode {
                 source = format!("DATABASE_URL in {}", file.display());
             }
             Ok(None) => {}
+            // `migration` needs no database, nor a readable `.env`.
+            Err(_) if matches!(cli.command, Command::Migration { .. }) => {}
             Err(message) => {
                 eprintln!("idem: {message}");
                 return ExitCode::from(2);

@@ -314,6 +314,32 @@ async fn failures_say_what_to_do() {
     );
     assert!(!stderr.contains(" at line "), "{stderr}");
 
+    // A `.env` that cannot be read is named; `migration`, which needs no database,
+    // still works beside it.
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).expect("scratch dir");
+    std::fs::write(
+        broken.join(".env"),
+        "DATABASE_URL=\"sqlite://never-closed\n",
+    )
+    .expect(".env");
+    let run_in = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .current_dir(&broken)
+            .env_remove("DATABASE_URL")
+            .output()
+            .expect("run idem")
+    };
+    let unread = run_in(&["list"]);
+    let stderr = String::from_utf8_lossy(&unread.stderr);
+    assert_eq!(unread.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&broken.join(".env").display().to_string()),
+        "{stderr}"
+    );
+    assert_eq!(run_in(&["migration", "sqlite"]).status.code(), Some(0));
+
     let none = Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("list")
         .current_dir(std::env::temp_dir())

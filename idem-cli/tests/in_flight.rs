@@ -251,18 +251,22 @@ async fn sqlite_forget_never_touches_a_payment_in_flight() {
     forget_never_touches_a_payment_in_flight(target).await;
 }
 
-/// A database of its own on the PostgreSQL server, or `None` (SKIPPED) when there
-/// is none outside CI.
-async fn postgres(partitioned: bool) -> Option<Target<Postgres>> {
-    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-    let mut admin = match sqlx::PgConnection::connect(&base).await {
+/// A database of its own on the server at `$var` (default `default`): the
+/// server's URL, the new database's URL and its name; `None` (SKIPPED) when the
+/// server cannot be reached outside CI.
+async fn private_database<C>(var: &str, default: &str) -> Option<(String, String, String)>
+where
+    C: Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c>,
+{
+    let base = std::env::var(var).unwrap_or_else(|_| default.to_owned());
+    let mut admin = match C::connect(&base).await {
         Ok(conn) => conn,
         Err(error) if !in_ci() => {
-            eprintln!("SKIPPED: PostgreSQL unreachable at {base}: {error}");
+            eprintln!("SKIPPED: no database server at {base}: {error}");
             return None;
         }
-        Err(error) => panic!("PostgreSQL unreachable at {base}: {error}"),
+        Err(error) => panic!("no database server at {base}: {error}"),
     };
     let database = unique("idem_cli");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
@@ -272,6 +276,16 @@ async fn postgres(partitioned: bool) -> Option<Target<Postgres>> {
     let _ = admin.close().await;
     let (head, _) = base.rsplit_once('/').expect("a database in the URL");
     let url = format!("{head}/{database}");
+    Some((base, url, database))
+}
+
+/// A PostgreSQL target in the plain or the partitioned layout.
+async fn postgres(partitioned: bool) -> Option<Target<Postgres>> {
+    let (base, url, database) = private_database::<sqlx::PgConnection>(
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/postgres",
+    )
+    .await?;
     let pool = Pool::<Postgres>::connect(&url).await.expect("its pool");
     // No replay cache: a retry after `idem forget` reads the table.
     let mut builder = Idempotency::builder(pool).replay_cache(0);
@@ -286,7 +300,7 @@ async fn postgres(partitioned: bool) -> Option<Target<Postgres>> {
         args,
         lists_claims: false,
         _drop: Some(Dropped(Box::new(move || {
-            drop_with::<sqlx::PgConnection>(base, drop)
+            drop_with::<sqlx::PgConnection>(base, drop);
         }))),
     })
 }
@@ -328,24 +342,14 @@ async fn postgres_partitioned_forget_never_touches_a_payment_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_forget_never_touches_a_payment_in_flight() {
-    let base = std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-    let mut admin = match sqlx::MySqlConnection::connect(&base).await {
-        Ok(conn) => conn,
-        Err(error) if !in_ci() => {
-            eprintln!("SKIPPED: MySQL unreachable at {base}: {error}");
-            return;
-        }
-        Err(error) => panic!("MySQL unreachable at {base}: {error}"),
+    let Some((base, url, database)) = private_database::<sqlx::MySqlConnection>(
+        "IDEM_TEST_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+    )
+    .await
+    else {
+        return;
     };
-    let database = unique("idem_cli");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-        .execute(&mut admin)
-        .await
-        .expect("create database");
-    let _ = admin.close().await;
-    let (head, _) = base.rsplit_once('/').expect("a database in the URL");
-    let url = format!("{head}/{database}");
     let pool = Pool::<MySql>::connect(&url).await.expect("its pool");
     let drop = format!("DROP DATABASE IF EXISTS {database}");
     let target = Target {

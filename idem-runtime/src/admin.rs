@@ -103,11 +103,13 @@ impl<DB: Backend> Idempotency<DB> {
     /// key: a key in flight (claimed, or held by a transaction that has not ended,
     /// such as an expired record being run again) is never deleted, and the call
     /// never waits for it: it answers [`Forgotten::InFlight`] at once, because the
-    /// record its executor is about to commit must not go with it. On PostgreSQL
-    /// and MySQL the deletion holds the key as a claim does, for the moment it
-    /// takes: a request for that key meanwhile is answered 409 `in-flight`. On
-    /// SQLite it queues for the database's one write lock like any write (up to
-    /// the busy timeout); the row it deletes is matched by the lease it read.
+    /// record its executor is about to commit must not go with it. For the moment
+    /// the deletion takes, it holds the key: on PostgreSQL with the key's advisory
+    /// lock, as a claim does (a request that would claim the key then is answered
+    /// 409 `in-flight`); on MySQL with the row's lock (such a request waits for
+    /// it). On SQLite it queues for the database's one write lock like any write
+    /// (up to the busy timeout), and deletes the row only if it still holds the
+    /// lease it read. Replays of the record go on until it is gone.
     ///
     /// This store's copy in memory goes at once; other running instances replay
     /// theirs until their [`replay_cache_refresh`](crate::Builder::replay_cache_refresh)

@@ -26,8 +26,8 @@
 //! ([`Failure::WaitsForPool`], after [`ExactlyOnce::patience`]: what a handler
 //! that uses the pool does on a one-connection pool, such as an in-memory SQLite
 //! database's). On SQLite, the handler's transaction begins without the write lock
-//! during the single requests of checks 1 and 3, so that a write through the pool
-//! commits and is counted instead of waiting for that lock.
+//! during the first request and check 1, so that a write through the pool commits
+//! and is counted instead of waiting for that lock.
 //!
 //! # What to count
 //!

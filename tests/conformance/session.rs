@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use futures_util::FutureExt as _;
 use idem_axum::axum::IdempotentRequest;
-use idem_axum::{Idempotency, Options, Outcome};
+use idem_axum::{Forgotten, Idempotency, Options, Outcome};
 use tokio::sync::Notify;
 
 use crate::BODY;
@@ -324,7 +324,8 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
 /// after a `ROLLBACK` commits on its own): a duplicate that arrives meanwhile
 /// never runs. It is answered 409 `in-flight` (or, where the database committed
 /// the key's ended mark with the handler's `COMMIT`, 500 `transaction-ended`),
-/// and once the handler is done the key keeps `transaction-ended`.
+/// an operator's `forget` meanwhile answers `InFlight` and deletes nothing, and
+/// once the handler is done the key keeps `transaction-ended`.
 pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: Harness>() {
     let Some(h) = crate::start::<H>().await else {
         return;
@@ -371,6 +372,19 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
                 "{name}: the duplicate: {} {}",
                 duplicate.status,
                 duplicate.text()
+            );
+            // Nor does an operator free it: what the handler committed may be its
+            // ended mark, which its executor still holds.
+            let forgotten = tokio::time::timeout(
+                Duration::from_secs(10),
+                h.store().forget(&scope, "k-window"),
+            )
+            .await;
+            let forgotten = forgotten.expect("forget waited for the executor");
+            assert_eq!(
+                forgotten.expect("forget"),
+                Forgotten::InFlight,
+                "{name}: forget"
             );
         })
         .catch_unwind()

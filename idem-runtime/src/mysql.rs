@@ -623,8 +623,7 @@ impl Driver for MySql {
             "CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body"
         };
         let sql = format!(
-            "SELECT {}, {stored} FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
-            inspected("state"),
+            "SELECT {INSPECTED}, {stored} FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
             sql.table
         );
         // In a transaction of its own: a fresh snapshot, which a session with
@@ -637,16 +636,13 @@ impl Driver for MySql {
 }
 
 /// The columns an operator's look selects but the stored response, in the shape
-/// `backend::fetch` decodes, with `state` as the expression given.
-fn inspected(state: &str) -> String {
-    format!(
-        "CAST(scope AS CHAR) AS scope, CAST(idempotency_key AS CHAR) AS idempotency_key, \
-         {state} AS state, method, path, CAST(status AS SIGNED) AS status, \
-         CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
-         CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
-         CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms"
-    )
-}
+/// `backend::fetch` decodes.
+const INSPECTED: &str = "CAST(scope AS CHAR) AS scope, \
+    CAST(idempotency_key AS CHAR) AS idempotency_key, state, method, path, \
+    CAST(status AS SIGNED) AS status, \
+    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
+    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
+    CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms";
 
 /// Claims in flight, oldest first: on MySQL a claim's row is written inside its
 /// executor's transaction (`begin_text`), so they are read uncommitted, which waits
@@ -670,9 +666,8 @@ async fn claims_in_flight(
     }
     let candidates = limit.saturating_add(1_000);
     let text = format!(
-        "SELECT {}, CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body FROM {} \
+        "SELECT {INSPECTED}, CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body FROM {} \
          WHERE {filter} ORDER BY created_at DESC LIMIT {candidates}",
-        inspected("state"),
         sql.table
     );
     let mut tx = conn.begin_with(BEGIN_READ_UNCOMMITTED).await?;

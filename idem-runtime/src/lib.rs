@@ -15,6 +15,8 @@ pub mod client;
 mod engine;
 mod json;
 mod key;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+mod lease;
 mod metrics;
 #[cfg(any(feature = "aide", feature = "utoipa"))]
 mod openapi;

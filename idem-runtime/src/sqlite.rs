@@ -11,20 +11,30 @@ use sqlx_core::transaction::TransactionManager as _;
 
 use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
+    Again, Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
 use crate::backend::{KeyRecord, Query, fetch};
+use crate::lease::{self, Dialect, Statements};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+/// Times are integer milliseconds since the Unix epoch.
+const DIALECT: Dialect = Dialect {
+    now: NOW_MS,
+    ms_until: |column| format!("{column} - {NOW_MS}"),
+    ms_since: |column| format!("{NOW_MS} - {column}"),
+    // The write lock, as every writer takes it; WAL never blocks a reader.
+    begin: "BEGIN IMMEDIATE",
+    reads_in_transaction: false,
+};
 
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Sql {
     lookup: Arc<str>,
     claim: Arc<str>,
-    record: Arc<str>,
-    release: Arc<str>,
-    lock_left: Arc<str>,
+    /// What follows the claim: the record, the release, the operator's reads.
+    lease: Statements,
     sweep: Arc<str>,
     /// How the handler's transaction begins.
     begin: &'static str,
@@ -86,12 +96,6 @@ impl Driver for Sqlite {
                  RETURNING lease"
             )
             .into(),
-            record: format!(
-                "UPDATE {table} SET state = 'completed', status = ?4, headers = ?5, body = ?6 \
-                 WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 \
-                   AND state = 'processing' AND locked_until > {NOW_MS}"
-            )
-            .into(),
             sweep: format!(
                 "DELETE FROM {table} WHERE rowid IN ( \
                     SELECT rowid FROM {table} \
@@ -99,16 +103,7 @@ impl Driver for Sqlite {
                     ORDER BY expires_at LIMIT ?1)"
             )
             .into(),
-            lock_left: format!(
-                "SELECT locked_until - {NOW_MS} FROM {table} \
-                 WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'processing'"
-            )
-            .into(),
-            release: format!(
-                "DELETE FROM {table} \
-                 WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 AND state = 'processing'"
-            )
-            .into(),
+            lease: Statements::new(&DIALECT, &table),
             table: table.into(),
             #[cfg(feature = "testing")]
             deferred_now: std::sync::atomic::AtomicBool::new(false),
@@ -194,13 +189,13 @@ impl Driver for Sqlite {
             return Ok(Written::Ended);
         }
         let record = || {
-            sqlx::query(AssertSqlSafe(sql.record.clone()))
-                .bind(id.scope)
-                .bind(id.key)
-                .bind(claim.lease)
+            sqlx::query(AssertSqlSafe(sql.lease.record.clone()))
                 .bind(response.status)
                 .bind(response.headers)
                 .bind(response.body)
+                .bind(id.scope)
+                .bind(id.key)
+                .bind(claim.lease)
         };
         let done = match record().execute(&mut *conn).await {
             // A deferred transaction whose snapshot went stale before its first
@@ -240,11 +235,7 @@ impl Driver for Sqlite {
         id: &Identity<'_>,
         _lock_ms: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .fetch_optional(conn)
-            .await
+        lease::lock_left::<Sqlite>(conn, &sql.lease, id.scope, id.key).await
     }
 
     async fn idem_finish(
@@ -258,7 +249,7 @@ impl Driver for Sqlite {
             return Ok(());
         }
         let release = || {
-            sqlx::query(AssertSqlSafe(sql.release.clone()))
+            sqlx::query(AssertSqlSafe(sql.lease.release.clone()))
                 .bind(id.scope)
                 .bind(id.key)
                 .bind(lease)
@@ -281,9 +272,13 @@ impl Driver for Sqlite {
             .store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
-    fn idem_finish_again(error: &sqlx::Error) -> bool {
+    fn idem_finish_again(_sql: &Sql, error: &sqlx::Error) -> Again {
         // Another writer held the write lock past the busy timeout.
-        is_busy(error)
+        if is_busy(error) {
+            Again::Later
+        } else {
+            Again::Never
+        }
     }
 
     async fn idem_sweep(
@@ -305,50 +300,9 @@ impl Driver for Sqlite {
         key: &str,
         _digest: &[u8; 32],
     ) -> Result<Forgotten, sqlx::Error> {
-        // A claim is a committed `processing` row: read without waiting (WAL never
-        // blocks a reader), even while its executor holds the write lock.
-        let read = format!(
-            "SELECT lease, state FROM {} WHERE scope = ?1 AND idempotency_key = ?2",
-            sql.table
-        );
-        let row: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(read.clone()))
-            .bind(scope)
-            .bind(key)
-            .fetch_optional(&mut *conn)
-            .await?;
-        let lease = match row {
-            None => return Ok(Forgotten::NotFound),
-            Some((_, state)) if state != "completed" => return Ok(Forgotten::InFlight),
-            Some((lease, _)) => lease,
-        };
-        // The write lock, as every writer takes it; then only the record read goes.
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let deleted = sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {} WHERE scope = ?1 AND idempotency_key = ?2 AND lease = ?3 \
-               AND state = 'completed'",
-            sql.table
-        )))
-        .bind(scope)
-        .bind(key)
-        .bind(lease)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if deleted == 1 {
-            tx.commit().await?;
-            return Ok(Forgotten::Deleted);
-        }
-        let now: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(read))
-            .bind(scope)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await?;
-        tx.rollback().await?;
-        Ok(match now {
-            None => Forgotten::NotFound,
-            Some((_, state)) if state != "completed" => Forgotten::InFlight,
-            Some(_) => Forgotten::Changed,
-        })
+        // WAL never blocks the read, even while the claim's executor holds the
+        // write lock; the deletion takes that lock as every writer does.
+        lease::forget::<Sqlite>(conn, &sql.lease, scope, key).await
     }
 
     async fn idem_in_flight(
@@ -358,20 +312,7 @@ impl Driver for Sqlite {
         key: &str,
         _digest: &[u8; 32],
     ) -> Result<Option<InFlight>, sqlx::Error> {
-        let claim: Option<(i64, i64)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT {NOW_MS} - created_at, locked_until - {NOW_MS} FROM {} \
-             WHERE scope = ?1 AND idempotency_key = ?2 AND state = 'processing'",
-            sql.table
-        )))
-        .bind(scope)
-        .bind(key)
-        .fetch_optional(conn)
-        .await?;
-        Ok(claim.map(|(age_ms, lock_left_ms)| InFlight {
-            session: None,
-            age_ms: Some(age_ms),
-            lock_left_ms: Some(lock_left_ms),
-        }))
+        lease::in_flight::<Sqlite>(conn, &sql.lease, scope, key).await
     }
 
     async fn idem_inspect(

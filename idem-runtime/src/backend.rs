@@ -305,6 +305,10 @@ pub struct Layout {
     /// SQLite: the handler's transaction takes the write lock at its first write,
     /// not at `BEGIN`.
     pub deferred: bool,
+    /// MySQL: claims committed before the handler runs, as a multi-primary
+    /// (Galera) cluster needs (`Some(true)`), or never (`Some(false)`); `None`:
+    /// as the server says (`@@wsrep_on`).
+    pub galera: Option<bool>,
 }
 
 /// One file of `migrations/<backend>/`.
@@ -331,6 +335,20 @@ pub enum Applied {
     /// PostgreSQL: it creates the table's functions (`<table>_open`,
     /// `<table>_record`): in place once both exist.
     HasFunctions,
+}
+
+/// Whether a claim's finish that failed is tried again (see `Driver::idem_finish_again`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Again {
+    /// The failure is final: the claim stays until its lock passes.
+    Never,
+    /// The database was only busy: again in the background, on another
+    /// connection, until the claim's lock passes.
+    Later,
+    /// The claim is a row any session may release by its lease: at once on
+    /// another connection, before the answer (a retry sent on it then finds the
+    /// key free), then as `Later`.
+    Now,
 }
 
 /// What a record attempt came to.
@@ -548,12 +566,20 @@ pub mod enabled {
             let _ = (sql, on);
         }
 
-        /// Whether a finish that failed with `error` may succeed if tried again:
-        /// the database was only busy. By default never.
+        /// The largest response the database can record, when it is less than
+        /// any store's `max_response_bytes` could be (a Galera write set's limit).
         #[doc(hidden)]
-        fn idem_finish_again(error: &sqlx::Error) -> bool {
-            let _ = error;
-            false
+        fn idem_max_response(sql: &Self::IdemSql) -> Option<usize> {
+            let _ = sql;
+            None
+        }
+
+        /// Whether a finish that failed with `error` may succeed if tried again,
+        /// and where. By default never.
+        #[doc(hidden)]
+        fn idem_finish_again(sql: &Self::IdemSql, error: &sqlx::Error) -> Again {
+            let _ = (sql, error);
+            Again::Never
         }
 
         /// Deletes up to `limit` completed rows whose `expires_at` has passed, in

@@ -18,7 +18,7 @@ use sqlx::pool::PoolConnection;
 use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
-use crate::backend::{Backend, Claim, Found, Identity, Opened, Recorded, Written};
+use crate::backend::{Again, Backend, Claim, Found, Identity, Opened, Recorded, Written};
 use crate::cache::{Filler, Looked, ReplayCache};
 use crate::json::InvalidJson;
 use crate::key::IdempotencyKey;
@@ -29,6 +29,10 @@ use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 use crate::tx::{Open, Tx};
+
+/// How long a claim released by its lease (`Again::Now`) is tried again in the
+/// background, when that outlasts its lock.
+const FINISH_GRACE: Duration = Duration::from_secs(5);
 
 /// The future a handler closure returns; it owns the [`Tx`] it was given.
 pub type HandlerFuture<B> = Pin<Box<dyn Future<Output = Response<B>> + Send>>;
@@ -683,9 +687,10 @@ impl<DB: Backend> Idempotency<DB> {
         let open = Open::new(conn, adopted);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
-        let limit = Some(self.inner().max_response_bytes);
+        let limit = self.response_limit();
         let cancelled = self.inner().lifecycle.cancelled();
-        let (ran, open) = run_handler(open, handler, Some(lock), limit, lock, cancelled).await;
+        let (ran, open) =
+            run_handler(open, handler, Some(lock), Some(limit), lock, cancelled).await;
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
             // the claim goes with it (SQLite's row once `lock` has passed).
@@ -790,7 +795,8 @@ impl<DB: Backend> Idempotency<DB> {
         if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
             // Session state left behind must not be pooled.
             conn.close_on_drop();
-            self.finish_later(error, id, lease, claimed_at + lock);
+            self.finish_elsewhere(error, id, lease, claimed_at + lock)
+                .await;
         }
         if !clean {
             // Whatever state the session is in, it is not handed to the next request.
@@ -803,15 +809,40 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     /// A claim whose `finish` failed keeps its key busy until its lock passes, when
-    /// a retry takes it over. When the backend says the failure was the database
-    /// being busy (SQLite's one write lock, held by another writer for longer than
-    /// the busy timeout), the finish is tried again in the background, on a
-    /// connection of the pool, until it succeeds or `until` (the claim's lock) has
-    /// passed: the key is free as soon as the writer is, not at the end of the lock.
-    fn finish_later(&self, error: sqlx::Error, id: &Identity<'_>, lease: i64, until: Instant) {
-        if !DB::idem_finish_again(&error) {
-            tracing::warn!(%error, "could not finish the claim");
-            return;
+    /// a retry takes it over, unless the backend says the finish may succeed
+    /// elsewhere (`Again`). Where the claim is a row any session may release
+    /// (`Again::Now`), that is done at once on a connection of the pool, before the
+    /// answer; where the failure was the database being busy (SQLite's one write
+    /// lock, held by another writer for longer than the busy timeout), in the
+    /// background, until it succeeds or `until` (the claim's lock) has passed: the
+    /// key is free as soon as the database lets go, not at the end of the lock.
+    async fn finish_elsewhere(
+        &self,
+        error: sqlx::Error,
+        id: &Identity<'_>,
+        lease: i64,
+        mut until: Instant,
+    ) {
+        let sql = &self.inner().sql;
+        match DB::idem_finish_again(sql, &error) {
+            Again::Never => {
+                tracing::warn!(%error, "could not finish the claim");
+                return;
+            }
+            Again::Later => {}
+            Again::Now => {
+                let again = match self.inner().pool.acquire().await {
+                    Ok(mut conn) => DB::idem_finish(&mut conn, sql, id, lease, false)
+                        .await
+                        .inspect_err(|_| conn.close_on_drop()),
+                    Err(error) => Err(error),
+                };
+                if again.is_ok() {
+                    return;
+                }
+                // Released by its lease, the claim may be let go past its lock.
+                until = until.max(Instant::now() + FINISH_GRACE);
+            }
         }
         tracing::info!(%error, "finishing the claim when the database lets go");
         let store = self.clone();
@@ -829,9 +860,10 @@ impl<DB: Backend> Idempotency<DB> {
                     }
                 };
                 let id = held.id();
-                match DB::idem_finish(&mut conn, &store.inner().sql, &id, lease, false).await {
+                let sql = &store.inner().sql;
+                match DB::idem_finish(&mut conn, sql, &id, lease, false).await {
                     Ok(()) => return,
-                    Err(error) if DB::idem_finish_again(&error) => {}
+                    Err(error) if DB::idem_finish_again(sql, &error) != Again::Never => {}
                     Err(error) => {
                         conn.close_on_drop();
                         tracing::warn!(%error, "could not finish the claim");
@@ -873,7 +905,8 @@ impl<DB: Backend> Idempotency<DB> {
             // session may be left in any state, so it is not reused.
             conn.close_on_drop();
             if let Err(finish) = DB::idem_finish(conn, sql, id, lease, false).await {
-                self.finish_later(finish, id, lease, Instant::now() + lock);
+                self.finish_elsewhere(finish, id, lease, Instant::now() + lock)
+                    .await;
             }
             return self.store_failed(&error).into();
         }
@@ -1078,18 +1111,22 @@ impl<DB: Backend> Idempotency<DB> {
         )
     }
 
+    /// The largest response body this store records: its `max_response_bytes`,
+    /// or less where the database carries less (a Galera write set).
+    fn response_limit(&self) -> usize {
+        let most = self.inner().max_response_bytes;
+        DB::idem_max_response(&self.inner().sql).map_or(most, |carried| carried.min(most))
+    }
+
     /// The answer for a handler whose work was rolled back.
     fn failed(&self, ran: Ran) -> Response<Bytes> {
         match ran {
             Ran::Done(response) => response,
             Ran::TooLarge => {
-                tracing::error!(
-                    limit = self.inner().max_response_bytes,
-                    "response too large to store; rolled back"
-                );
+                let limit = self.response_limit();
+                tracing::error!(limit, "response too large to store; rolled back");
                 let detail = format!(
-                    "the response exceeded the {} bytes the idempotency store keeps, so the request was rolled back",
-                    self.inner().max_response_bytes
+                    "the response exceeded the {limit} bytes the idempotency store keeps, so the request was rolled back"
                 );
                 self.problem(Problem::ResponseTooLarge, &detail)
             }

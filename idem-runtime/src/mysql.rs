@@ -4,7 +4,9 @@
 //! The design, what differs from PostgreSQL and why, are described in
 //! `docs/backends.md`; the SQL below is all this backend runs.
 
-use std::sync::Arc;
+mod cluster;
+
+use std::sync::{Arc, OnceLock};
 
 use sha2::{Digest as _, Sha256};
 use sqlx::mysql::MySqlDatabaseError;
@@ -13,10 +15,12 @@ use sqlx_core::transaction::TransactionManager as _;
 
 use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
-    Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
+    Again, Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written,
+    enabled::Driver,
 };
 use crate::backend::{KeyRecord, Query, fetch};
 use crate::key::to_hex;
+use crate::lease;
 use crate::tx::Open;
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64. Named
@@ -58,6 +62,64 @@ pub struct Sql {
     /// The database the pool connects to (empty: none), for `lock_name`.
     database: Box<str>,
     sweep: Arc<str>,
+    /// `Builder::galera`: the cluster mode forced on or off.
+    galera: Option<bool>,
+    /// The cluster mode's statements once the server was asked (`mode`); `None`
+    /// inside: the standalone design.
+    mode: OnceLock<Option<cluster::Sql>>,
+}
+
+impl Sql {
+    /// The cluster mode's statements, or `None` for the standalone design: as
+    /// `Builder::galera` says, else as the server says, asked once per store.
+    async fn mode(&self, conn: &mut MySqlConnection) -> Result<Option<&cluster::Sql>, sqlx::Error> {
+        if let Some(mode) = self.mode.get() {
+            return Ok(mode.as_ref());
+        }
+        // `wsrep_*` exist on a Galera node and on a MariaDB built with wsrep
+        // support; MySQL without Galera has none (1193).
+        let asked =
+            sqlx::raw_sql("SELECT CAST(@@wsrep_on AS SIGNED), CAST(@@wsrep_max_ws_size AS SIGNED)")
+                .fetch_optional(&mut *conn)
+                .await;
+        let (on, max_write_set) = match asked {
+            Ok(Some(row)) => (
+                row.try_get::<i64, _>(0)? == 1,
+                Some(row.try_get::<i64, _>(1)?),
+            ),
+            Ok(None) => (false, None),
+            Err(error) if error_number(&error) == Some(1193) => (false, None),
+            Err(error) => return Err(error),
+        };
+        let cluster = self.galera.unwrap_or(on);
+        if cluster {
+            tracing::info!(
+                wsrep_on = on,
+                "idem: claims commit before handlers run (multi-primary cluster mode)"
+            );
+        }
+        let mode = cluster.then(|| {
+            cluster::Sql::new(
+                &self.table,
+                max_write_set.is_some(),
+                max_write_set.and_then(|max| u64::try_from(max).ok()),
+            )
+        });
+        Ok(self.mode.get_or_init(|| mode).as_ref())
+    }
+
+    /// The mode once known, for the steps after a claim (which asked).
+    fn known(&self) -> Option<&cluster::Sql> {
+        self.mode.get().and_then(Option::as_ref)
+    }
+}
+
+/// The server's error number of `error`, if it is the server's.
+fn error_number(error: &sqlx::Error) -> Option<u16> {
+    error
+        .as_database_error()
+        .and_then(|error| error.try_downcast_ref::<MySqlDatabaseError>())
+        .map(MySqlDatabaseError::number)
 }
 
 /// Makes the next transaction, and it alone, read committed rows only. idem's
@@ -123,7 +185,9 @@ fn mariadb_timeouts(secs: i64) -> String {
     )
 }
 
-/// `finish`'s part of `mariadb_timeouts`: each back to its saved value.
+/// `finish`'s part of `mariadb_timeouts`: each back to its saved value (on a
+/// session that saved none, where the cluster mode releases a claim, its own: a
+/// user variable never set is a string, which `+ 0e0` makes a number again).
 const MARIADB_TIMEOUTS_BACK: &str = "/*M!100300 \
     , idle_transaction_timeout = CAST(COALESCE(@idem_idle_timeout, \
         @@SESSION.idle_transaction_timeout) AS UNSIGNED) \
@@ -131,7 +195,7 @@ const MARIADB_TIMEOUTS_BACK: &str = "/*M!100300 \
         @@SESSION.idle_write_transaction_timeout) AS UNSIGNED) \
     , idle_readonly_transaction_timeout = CAST(COALESCE(@idem_idle_read_timeout, \
         @@SESSION.idle_readonly_transaction_timeout) AS UNSIGNED) \
-    , max_statement_time = COALESCE(@idem_statement_time, @@SESSION.max_statement_time) */";
+    , max_statement_time = COALESCE(@idem_statement_time, @@SESSION.max_statement_time) + 0e0 */";
 
 /// MySQL's "Cannot execute statement in a READ ONLY transaction".
 const READ_ONLY_TRANSACTION: u16 = 1792;
@@ -154,7 +218,7 @@ impl Driver for MySql {
         ]
     }
 
-    fn idem_sql(table: &str, _layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
+    fn idem_sql(table: &str, layout: Layout, pool: &sqlx::MySqlPool) -> Sql {
         let name = table;
         // The session's own settings back. Setting `autocommit` back to 1 would
         // commit an open transaction: it runs only once the handler's has ended.
@@ -233,6 +297,8 @@ impl Driver for MySql {
             table: table.into(),
             name: name.into(),
             database: database.into(),
+            galera: layout.galera,
+            mode: OnceLock::new(),
         }
     }
 
@@ -253,6 +319,16 @@ impl Driver for MySql {
                 use_database(conn, &sql.database).await?;
                 moved = current;
             }
+        }
+        // On a cluster, no named lock (it holds on one node, and Percona XtraDB
+        // Cluster refuses it): DDL runs in the same order on every node, and a
+        // script another instance applied meanwhile is found applied (`apply`).
+        if sql.mode(conn).await?.is_some() {
+            let migrated = apply(conn, table, scripts).await;
+            if let Some(database) = moved {
+                use_database(conn, &database).await?;
+            }
+            return migrated;
         }
         // DDL commits implicitly in MySQL: a named lock, not a transaction, keeps
         // instances that start together from racing.
@@ -279,6 +355,9 @@ impl Driver for MySql {
         sql: &Sql,
         id: &Identity<'_>,
     ) -> Result<Option<Found>, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return cluster::lookup(conn, sql, cluster, id).await;
+        }
         // Outside any transaction, where a session with `autocommit = 0` opens one
         // that nothing else would end: the `COMMIT` rides in the same round trip.
         let text = format!(
@@ -297,6 +376,9 @@ impl Driver for MySql {
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<Opened<'c, MySql>, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return cluster::open(conn, sql, cluster, id, claim).await;
+        }
         // A completed key this process kept was answered from its replay cache
         // before this; any other is probably new, so the claim is one round trip,
         // whose check fails unless the key's lock is taken and it has no row
@@ -326,6 +408,9 @@ impl Driver for MySql {
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<Option<Transaction<'c, MySql>>, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return cluster::take_over(conn, sql, cluster, id, claim).await;
+        }
         // A row the engine found expired or abandoned, read again under the lock:
         // whoever took the lock meanwhile may have recorded it since.
         let text = claim_text(sql, id, claim, None);
@@ -355,6 +440,9 @@ impl Driver for MySql {
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
+        if let Some(cluster) = sql.known() {
+            return cluster::record(conn, sql, cluster, id, claim, response).await;
+        }
         let status = i16::try_from(response.status).unwrap_or(i16::MAX);
         let completed = sqlx::query(AssertSqlSafe(sql.record.clone()))
             .bind(status)
@@ -372,7 +460,7 @@ impl Driver for MySql {
             Err(error) if read_only(&error) => {}
             Err(error) => return Err(error),
         }
-        if ended(conn, sql, id, claim.lease).await? {
+        if ended(conn, sql, id, claim.lease, false).await? {
             return Ok(Written::Ended);
         }
         // The database rolled the handler's transaction back (a deadlock, a lock
@@ -407,7 +495,7 @@ impl Driver for MySql {
         id: &'c Identity<'c>,
         claim: Claim,
     ) -> Result<bool, sqlx::Error> {
-        ended(conn, sql, id, claim.lease).await
+        ended(conn, sql, id, claim.lease, sql.known().is_some()).await
     }
 
     async fn idem_lock_left(
@@ -416,6 +504,9 @@ impl Driver for MySql {
         id: &Identity<'_>,
         lock_ms: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return lease::lock_left::<MySql>(conn, &cluster.lease, id.scope, id.key).await;
+        }
         sqlx::query_scalar(AssertSqlSafe(sql.lock_left.clone()))
             .bind(lock_ms)
             .bind(lock_seed(&id.digest))
@@ -428,6 +519,9 @@ impl Driver for MySql {
         sql: &Sql,
         _id: &Identity<'_>,
     ) -> Result<(), sqlx::Error> {
+        if let Some(cluster) = sql.known() {
+            return cluster::commit(conn, cluster).await;
+        }
         // `finish` rides on the COMMIT, one round trip for both.
         sqlx::raw_sql(AssertSqlSafe(sql.commit.clone()))
             .execute(&mut *conn)
@@ -441,16 +535,38 @@ impl Driver for MySql {
     async fn idem_finish(
         conn: &mut MySqlConnection,
         sql: &Sql,
-        _id: &Identity<'_>,
-        _lease: i64,
+        id: &Identity<'_>,
+        lease: i64,
         committed: bool,
     ) -> Result<(), sqlx::Error> {
+        if let Some(cluster) = sql.known() {
+            if committed {
+                return Ok(());
+            }
+            return cluster::finish(conn, cluster, id, lease).await;
+        }
         // The row needs nothing: the claim was part of the transaction. After a
         // commit, `idem_commit` has finished already.
         if committed {
             return Ok(());
         }
         finish(conn, sql).await
+    }
+
+    fn idem_max_response(sql: &Sql) -> Option<usize> {
+        sql.known().and_then(|cluster| cluster.max_response)
+    }
+
+    fn idem_finish_again(sql: &Sql, _error: &sqlx::Error) -> Again {
+        // A cluster's claim is a committed row: whatever ended the claim's session
+        // (the handler's `KILL`, the server's timeout at the lock), another
+        // session releases it by its lease. The standalone claim ends with its
+        // session.
+        if sql.known().is_some() {
+            Again::Now
+        } else {
+            Again::Never
+        }
     }
 
     async fn idem_sweep(
@@ -494,6 +610,9 @@ impl Driver for MySql {
         key: &str,
         digest: &[u8; 32],
     ) -> Result<Forgotten, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return lease::forget::<MySql>(conn, &cluster.lease, scope, key).await;
+        }
         // As the sweep: committed whatever the session's `autocommit`. A row a
         // claim's transaction holds (a new key's, or an expired one's being run
         // again) is in flight: NOWAIT answers at once, where a plain `DELETE`
@@ -562,6 +681,9 @@ impl Driver for MySql {
         key: &str,
         digest: &[u8; 32],
     ) -> Result<Option<InFlight>, sqlx::Error> {
+        if let Some(cluster) = sql.mode(conn).await? {
+            return lease::in_flight::<MySql>(conn, &cluster.lease, scope, key).await;
+        }
         let lock = lock_name_of(sql, digest);
         let holder: Option<i64> =
             sqlx::query_scalar(AssertSqlSafe(format!("SELECT IS_USED_LOCK({lock})")))
@@ -613,6 +735,7 @@ impl Driver for MySql {
             stuck_only,
             limit,
         } = *query
+            && sql.mode(conn).await?.is_none()
         {
             return claims_in_flight(conn, sql, scope, stuck_only, limit).await;
         }
@@ -721,34 +844,43 @@ async fn apply(
     scripts: &[(String, Applied)],
 ) -> Result<(), sqlx::Error> {
     for (script, applied) in scripts {
-        let probe = match applied {
-            Applied::Rerun | Applied::HasFunctions => None,
-            Applied::TableExists => Some(
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT COUNT(*) FROM information_schema.TABLES \
-                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
-                )
-                .bind(table),
-            ),
-            Applied::HasColumn(column) => Some(
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT COUNT(*) FROM information_schema.COLUMNS \
-                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
-                )
-                .bind(table)
-                .bind(*column),
-            ),
-        };
-        if let Some(probe) = probe
-            && probe.fetch_one(&mut *conn).await? > 0
-        {
+        if in_place(conn, table, *applied).await? {
             continue;
         }
-        sqlx::raw_sql(AssertSqlSafe(script.clone()))
+        let run = sqlx::raw_sql(AssertSqlSafe(script.clone()))
             .execute(&mut *conn)
-            .await?;
+            .await;
+        // Applied by another instance meanwhile, on a cluster (no named lock there).
+        if let Err(error) = run
+            && !in_place(conn, table, *applied).await?
+        {
+            return Err(error);
+        }
     }
     Ok(())
+}
+
+/// Whether `table` already has what a script marked `applied` adds.
+async fn in_place(
+    conn: &mut MySqlConnection,
+    table: &str,
+    applied: Applied,
+) -> Result<bool, sqlx::Error> {
+    let probe = match applied {
+        Applied::Rerun | Applied::HasFunctions => return Ok(false),
+        Applied::TableExists => sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM information_schema.TABLES \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+        )
+        .bind(table),
+        Applied::HasColumn(column) => sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
+        )
+        .bind(table)
+        .bind(column),
+    };
+    Ok(probe.fetch_one(conn).await? > 0)
 }
 
 /// What the claim takes on the session, as one text: the session's timeouts set
@@ -830,9 +962,13 @@ async fn ended(
     sql: &Sql,
     id: &Identity<'_>,
     lease: i64,
+    cluster: bool,
 ) -> Result<bool, sqlx::Error> {
+    // A cluster has no table lock to let go of (a handler must take none there,
+    // docs/deployment.md), and Percona XtraDB Cluster refuses the statement.
+    let unlock = if cluster { "" } else { "UNLOCK TABLES; " };
     let text = format!(
-        "ROLLBACK; SET SESSION TRANSACTION READ WRITE; UNLOCK TABLES; {READ_COMMITTED_ONCE}; \
+        "ROLLBACK; SET SESSION TRANSACTION READ WRITE; {unlock}{READ_COMMITTED_ONCE}; \
          SELECT COUNT(*) FROM {} WHERE {} AND lease = {lease} AND state = 'completed' \
                 AND body IS NULL; \
          COMMIT",

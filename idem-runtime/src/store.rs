@@ -158,6 +158,7 @@ impl<DB: Backend> Idempotency<DB> {
             partitioned: false,
             transaction_pooled: false,
             deferred: false,
+            galera: None,
             listen_pool: None,
         }
     }
@@ -269,6 +270,7 @@ pub struct Builder<DB: Backend> {
     partitioned: bool,
     transaction_pooled: bool,
     deferred: bool,
+    galera: Option<bool>,
     listen_pool: Option<Pool<DB>>,
 }
 
@@ -373,6 +375,7 @@ impl<DB: Backend> Builder<DB> {
             partitioned: self.partitioned,
             transaction_pooled: self.transaction_pooled,
             deferred: self.deferred,
+            galera: self.galera,
         };
         let sql = DB::idem_sql(&self.table, layout, &self.pool);
         Idempotency {
@@ -493,6 +496,42 @@ impl Builder<sqlx::Sqlite> {
     /// ```
     pub fn write_lock_at_first_write(mut self) -> Self {
         self.deferred = true;
+        self
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Builder<sqlx::MySql> {
+    /// Whether the server is a node of a multi-primary cluster (MariaDB Galera
+    /// Cluster, Percona XtraDB Cluster), with instances writing through several
+    /// nodes. By default idem asks the server (`@@wsrep_on`) once, at
+    /// [`migrate`](Idempotency::migrate) or at the first keyed request; this
+    /// setting answers instead.
+    ///
+    /// On such a cluster a named lock or a row lock holds on one node only, and
+    /// the one exclusion across nodes is the certification of committed writes. A
+    /// claim is then a row committed (and certified) before the handler runs,
+    /// with a lease that the handler's transaction must still hold to record its
+    /// answer, as on SQLite: a duplicate on any node finds the claim or loses
+    /// certification, and never runs. It costs a round trip more per first
+    /// execution than the standalone design. `true` forces it on a standalone
+    /// server too (useful to test it there); `false` keeps the standalone design
+    /// on a cluster, which is correct only while every instance writes through one
+    /// node. See the repository's `docs/deployment.md`.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo(pool: sqlx::MySqlPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_axum::Idempotency;
+    ///
+    /// let idempotency = Idempotency::builder(pool).galera(true).build()?;
+    /// idempotency.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn galera(mut self, cluster: bool) -> Self {
+        self.galera = Some(cluster);
         self
     }
 }

@@ -3,9 +3,11 @@
 //! `route_layer`, URI-rewriting middleware inside and outside the router, a handler
 //! that catches a unique violation, one that opens a savepoint of its own.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::FromRequestParts;
@@ -26,14 +28,28 @@ use tower_http::normalize_path::NormalizePathLayer;
 use crate::harness::Harness;
 
 /// The bank's own tables: no generated ids, so one script fits every backend.
+/// Every table has a primary key, as a Galera cluster needs (two nodes' rows of a
+/// table without one may collide at certification, and Percona XtraDB Cluster
+/// refuses writes to it): the handlers give each row an id of their own.
 pub const SCHEMA: &str = "\
-    CREATE TABLE transfers (account VARCHAR(64) NOT NULL, owner VARCHAR(64) NOT NULL, \
-        amount VARCHAR(32) NOT NULL, via VARCHAR(255) NOT NULL); \
+    CREATE TABLE transfers (id VARCHAR(64) PRIMARY KEY, account VARCHAR(64) NOT NULL, \
+        owner VARCHAR(64) NOT NULL, amount VARCHAR(32) NOT NULL, via VARCHAR(255) NOT NULL); \
     CREATE TABLE users (email VARCHAR(255) PRIMARY KEY, owner VARCHAR(64) NOT NULL); \
     CREATE TABLE coupons_used (code VARCHAR(64) PRIMARY KEY, owner VARCHAR(64) NOT NULL); \
-    CREATE TABLE orders (owner VARCHAR(64) NOT NULL, item VARCHAR(64) NOT NULL, \
-        discounted VARCHAR(8) NOT NULL); \
-    CREATE TABLE audit (owner VARCHAR(64) NOT NULL, what VARCHAR(255) NOT NULL);";
+    CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64) NOT NULL, \
+        item VARCHAR(64) NOT NULL, discounted VARCHAR(8) NOT NULL); \
+    CREATE TABLE audit (id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64) NOT NULL, \
+        what VARCHAR(255) NOT NULL);";
+
+/// A row id no other row of this process's runs has.
+fn row_id() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{}-{}",
+        crate::unique_suffix(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
 
 /// The caller, as the auth layer found it.
 #[derive(Clone, Debug)]
@@ -69,8 +85,18 @@ pub struct Bank<H: Harness> {
     sign_ups: Arc<AtomicUsize>,
     /// Runs of the app's counting extractors, [`Counted`] and [`CountedUser`].
     extracted: Arc<AtomicUsize>,
+    /// The card provider's charges, by account: what it was asked from outside
+    /// the database, which no rollback takes back.
+    charged: Charges,
     _harness: PhantomData<fn() -> H>,
 }
+
+/// Charges a provider made, by account.
+pub type Charges = Arc<Mutex<HashMap<String, usize>>>;
+
+/// How long the provider takes to answer a charge: long enough for duplicates
+/// sent at once to arrive while the first is in flight.
+pub const PROVIDER_LATENCY: Duration = Duration::from_millis(300);
 
 impl<H: Harness> Clone for Bank<H> {
     fn clone(&self) -> Self {
@@ -78,6 +104,7 @@ impl<H: Harness> Clone for Bank<H> {
             idempotency: self.idempotency.clone(),
             sign_ups: self.sign_ups.clone(),
             extracted: self.extracted.clone(),
+            charged: self.charged.clone(),
             _harness: PhantomData,
         }
     }
@@ -141,9 +168,37 @@ async fn transfer<H: Harness>(
 ) -> Response {
     let amount = req.amount.to_string();
     let via = uri.path().to_owned();
-    let sql = "INSERT INTO transfers (account, owner, amount, via) VALUES ($1, $2, $3, $4)";
-    match H::exec(&mut *tx, sql, &[&acct, &user.0, &amount, &via]).await {
+    let sql = "INSERT INTO transfers (id, account, owner, amount, via) VALUES ($1, $2, $3, $4, $5)";
+    match H::exec(&mut *tx, sql, &[&row_id(), &acct, &user.0, &amount, &via]).await {
         Ok(_) => (StatusCode::CREATED, format!(r#"{{"account":"{acct}"}}"#)).into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+/// POST …/accounts/{acct}/charges: charges the card at the provider (counted in
+/// the bank's `charged`, outside the database), then books one row in `acct`.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn charge<H: Harness>(
+    State(bank): State<Bank<H>>,
+    Extension(user): Extension<User>,
+    Path(acct): Path<String>,
+    mut tx: Tx<H::DB>,
+    Json(req): Json<NewTransfer>,
+) -> Response {
+    if let Ok(mut charged) = bank.charged.lock() {
+        *charged.entry(acct.clone()).or_default() += 1;
+    }
+    tokio::time::sleep(PROVIDER_LATENCY).await;
+    let amount = req.amount.to_string();
+    let sql = "INSERT INTO transfers (id, account, owner, amount, via) VALUES ($1, $2, $3, $4, $5)";
+    match H::exec(
+        &mut *tx,
+        sql,
+        &[&row_id(), &acct, &user.0, &amount, "charge"],
+    )
+    .await
+    {
+        Ok(_) => (StatusCode::CREATED, format!(r#"{{"charged":"{acct}"}}"#)).into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
     }
 }
@@ -163,9 +218,9 @@ async fn sign_up<H: Harness>(
     Json(req): Json<SignUp>,
 ) -> (StatusCode, String) {
     bank.sign_ups.fetch_add(1, Ordering::SeqCst);
-    let audit = "INSERT INTO audit (owner, what) VALUES ($1, $2)";
+    let audit = "INSERT INTO audit (id, owner, what) VALUES ($1, $2, $3)";
     let what = format!("sign-up attempt {}", req.email);
-    if let Err(error) = H::exec(&mut *tx, audit, &[&user.0, &what]).await {
+    if let Err(error) = H::exec(&mut *tx, audit, &[&row_id(), &user.0, &what]).await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string());
     }
     let insert = "INSERT INTO users (email, owner) VALUES ($1, $2)";
@@ -213,8 +268,8 @@ async fn order<H: Harness>(
         Err(error) => return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
     };
     let flag = if discounted { "yes" } else { "no" };
-    let insert = "INSERT INTO orders (owner, item, discounted) VALUES ($1, $2, $3)";
-    if let Err(error) = H::exec(&mut *tx, insert, &[&user.0, &req.item, flag]).await {
+    let insert = "INSERT INTO orders (id, owner, item, discounted) VALUES ($1, $2, $3, $4)";
+    if let Err(error) = H::exec(&mut *tx, insert, &[&row_id(), &user.0, &req.item, flag]).await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string());
     }
     (
@@ -233,8 +288,10 @@ pub struct Gift {
 
 /// A helper taking the alias, as handlers pass their transaction on.
 async fn note<H: Harness>(tx: &mut BankTx<H>, owner: &str, what: &str) -> Result<(), sqlx::Error> {
-    let audit = "INSERT INTO audit (owner, what) VALUES ($1, $2)";
-    H::exec(&mut **tx, audit, &[owner, what]).await.map(drop)
+    let audit = "INSERT INTO audit (id, owner, what) VALUES ($1, $2, $3)";
+    H::exec(&mut **tx, audit, &[&row_id(), owner, what])
+        .await
+        .map(drop)
 }
 
 /// POST /v1/gifts: the transaction behind an alias (so the store's database is
@@ -337,6 +394,8 @@ pub struct Counts {
     pub sign_ups: Arc<AtomicUsize>,
     /// Runs of the counting extractors (`/v1/counted`, `/v1/scope-last`).
     pub extracted: Arc<AtomicUsize>,
+    /// The provider's charges (`/v1/accounts/{acct}/charges`), by account.
+    pub charged: Charges,
 }
 
 /// [`app`], and its counts.
@@ -344,14 +403,17 @@ pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Co
     let counts = Counts {
         sign_ups: Arc::new(AtomicUsize::new(0)),
         extracted: Arc::new(AtomicUsize::new(0)),
+        charged: Charges::default(),
     };
     let state = Bank::<H> {
         idempotency,
         sign_ups: counts.sign_ups.clone(),
         extracted: counts.extracted.clone(),
+        charged: counts.charged.clone(),
         _harness: PhantomData,
     };
     let accounts = Router::new().route("/transfers", post(transfer::<H>));
+    let charges = Router::new().route("/accounts/{acct}/charges", post(charge::<H>));
     let v1 = Router::new()
         .nest("/accounts/{acct}", accounts.clone())
         .route("/orders", post(order::<H>))
@@ -361,7 +423,8 @@ pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Co
         .route("/two", post(two::<H>))
         .route("/counted", post(counted::<H>))
         .route("/scope-last", post(scope_last::<H>))
-        .merge(Router::new().route("/users", post(sign_up::<H>)));
+        .merge(Router::new().route("/users", post(sign_up::<H>)))
+        .merge(charges);
     let v2 = Router::new().nest("/accounts/{acct}", accounts);
     // The same routes as a service of their own, mounted with `nest_service`.
     let legacy = Router::new()

@@ -302,7 +302,7 @@ async fn mysql_claims_take_the_lock_every_release_takes() {
     for (n, store) in [h.store().clone(), moved].into_iter().enumerate() {
         let app = router_on::<My>(store);
         let key = format!("k-lock-{n}");
-        let held = h.hold_named_lock("alice", &key).await;
+        let held = h.hold_key("alice", &key).await;
         let busy = send(&app, &Req::post("alice", &key, BODY)).await;
         assert_in_flight(&busy);
         assert_eq!(effects().await, i64::try_from(n).expect("small"));
@@ -420,7 +420,7 @@ async fn mysql_sessions_without_autocommit_are_left_without_a_transaction() {
     let other = router(&h);
 
     // A duplicate of a key in flight: its claim fails, then it looks the key up.
-    let held = h.hold_named_lock("alice", "k-busy").await;
+    let held = h.hold_key("alice", "k-busy").await;
     let busy = send(&manual, &Req::post("alice", "k-busy", BODY)).await;
     assert_in_flight(&busy);
     held.release().await;

@@ -26,6 +26,8 @@ fn a_backend_is_enabled() {
 mod app;
 mod bank;
 mod cache;
+#[cfg(feature = "mysql")]
+mod cluster;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod deadlock;
 mod edges;
@@ -73,7 +75,8 @@ use operator::operators_never_delete_or_wait_for_a_key_in_flight;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
     idem_extractors_work_in_any_handler, kept_replays_skip_the_last_extractor,
-    nested_routes_keep_their_identity, storms_over_two_instances_execute_each_key_once,
+    nested_routes_keep_their_identity, storms_across_instances_charge_each_key_once,
+    storms_over_two_instances_execute_each_key_once,
 };
 use session::{
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
@@ -1349,6 +1352,7 @@ conformance!(
     caught_database_errors_are_recorded,
     handler_savepoints_keep_working,
     storms_over_two_instances_execute_each_key_once,
+    storms_across_instances_charge_each_key_once,
     content_type_is_part_of_the_identity,
     the_table_holds_legal_requests_and_responses,
     any_legal_scope_and_key_finds_its_own_row,

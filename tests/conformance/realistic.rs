@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use axum::http::Request;
 use bytes::Bytes;
@@ -334,6 +335,94 @@ pub async fn storms_over_two_instances_execute_each_key_once<H: Harness>() {
     );
     assert_eq!(twice, 0, "keys executed twice");
     assert_eq!(total, i64::try_from(KEYS).expect("small"));
+    h.finish().await;
+}
+
+/// I1 where it costs money: keys each sent four times at once, twice to each of
+/// two instances (on a cluster, through two nodes: `IDEM_TEST_MYSQL_OTHER_URL`),
+/// to a handler that charges a card at a provider outside the database and then
+/// books the charge, slow enough that the duplicates overlap; clients retry 409
+/// and 5xx until answered. The provider is asked once per key, whichever instance
+/// ran it: counted outside every transaction, so a run whose commit the database
+/// refused still counts, as a charge would.
+pub async fn storms_across_instances_charge_each_key_once<H: Harness>() {
+    // One writer at a time (SQLite) runs a slow handler after another.
+    let keys: usize = if H::STALLED_WRITER_BLOCKS_TAKEOVER {
+        20
+    } else {
+        200
+    };
+    let Some(h) = start::<H>().await else {
+        return;
+    };
+    h.script(bank::SCHEMA).await;
+    let (one, one_counts) = bank::app_counting::<H>(h.store().clone());
+    let (two, two_counts) = bank::app_counting::<H>(h.another_instance());
+    let barrier = Arc::new(tokio::sync::Barrier::new(keys * 4));
+    let mut tasks = tokio::task::JoinSet::new();
+    for key in 0..keys {
+        for send in 0..4 {
+            let app = if send % 2 == 0 {
+                one.clone()
+            } else {
+                two.clone()
+            };
+            let barrier = Arc::clone(&barrier);
+            tasks.spawn(async move {
+                let path = format!("/v1/accounts/acct-{key}/charges");
+                let key = format!("charge-{key}");
+                barrier.wait().await;
+                let mut failed = Vec::new();
+                for _ in 0..1_000 {
+                    let answer = pay(&app, &path, "alice", &key).await;
+                    match answer.status {
+                        201 => return (key, answer, failed),
+                        // A payment client retries any 5xx with the same key.
+                        409 => {}
+                        500 | 503 => failed.push(answer),
+                        _ => panic!("{key}: {answer:?}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("{key} never completed");
+            });
+        }
+    }
+    let mut answers: HashMap<String, Bytes> = HashMap::new();
+    let mut failures: HashMap<String, Vec<Got>> = HashMap::new();
+    while let Some(done) = tasks.join_next().await {
+        let (key, answer, failed) = done.expect("storm request");
+        let first = answers
+            .entry(key.clone())
+            .or_insert_with(|| answer.body.clone());
+        assert_eq!(*first, answer.body, "I2 for {key}");
+        failures.entry(key).or_default().extend(failed);
+    }
+    assert_eq!(answers.len(), keys);
+    let mut charged: HashMap<String, usize> = HashMap::new();
+    for counts in [&one_counts, &two_counts] {
+        for (account, times) in counts.charged.lock().expect("charges").iter() {
+            *charged.entry(account.clone()).or_default() += times;
+        }
+    }
+    let twice: Vec<_> = charged
+        .iter()
+        .filter(|(_, times)| **times > 1)
+        .map(|(account, times)| {
+            let key = account.replace("acct-", "charge-");
+            (account, times, failures.remove(&key).unwrap_or_default())
+        })
+        .collect();
+    let total = h.count("SELECT count(*) FROM transfers", &[]).await;
+    println!(
+        "charge storm on {}: {keys} keys, {} charges, {} keys charged twice or more, {total} rows",
+        std::any::type_name::<H>(),
+        charged.values().sum::<usize>(),
+        twice.len(),
+    );
+    assert_eq!(charged.len(), keys, "every key was charged");
+    assert!(twice.is_empty(), "keys charged more than once: {twice:?}");
+    assert_eq!(total, i64::try_from(keys).expect("small"));
     h.finish().await;
 }
 

@@ -1,8 +1,9 @@
 //! MySQL and MariaDB, one database per test.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_axum::{Idempotency, Tx};
+use idem_axum::{Builder, Idempotency, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySql, MySqlPool, Row};
 
@@ -19,6 +20,12 @@ pub struct My {
     database: String,
     /// The run's session settings, which `pool` sets on every session.
     settings: String,
+    /// The test database through another node of a cluster, with the same
+    /// settings (`IDEM_TEST_MYSQL_OTHER_URL`).
+    other: Option<MySqlPool>,
+    /// The store runs the cluster mode: the server is a Galera node, or
+    /// `IDEM_TEST_MYSQL_GALERA=1` forced it.
+    galera: bool,
     _leftover: Leftover,
 }
 
@@ -28,7 +35,7 @@ impl My {
     pub async fn store_with_session(&self, init: &'static str) -> (MySqlPool, Idempotency<MySql>) {
         let options = (*self.plain.connect_options()).clone();
         let pool = pool_running(options, 1, init.to_owned()).await;
-        let store = Idempotency::new(pool.clone());
+        let store = builder(pool.clone()).build().expect("store");
         (pool, store)
     }
 
@@ -46,7 +53,7 @@ impl My {
         .await
         .expect("another database");
         let pool = self.store_moved_by_session_pool(&elsewhere).await;
-        (Idempotency::new(pool), elsewhere)
+        (builder(pool).build().expect("store"), elsewhere)
     }
 
     /// A pool configured for the test's database whose sessions `USE` `elsewhere`.
@@ -55,10 +62,32 @@ impl My {
         pool_running(options, 2, format!("USE {elsewhere}")).await
     }
 
-    /// Takes, on a session of its own in the test's database, the named lock that
-    /// every release of idem takes for (`scope`, `key`) in the default table; held
-    /// until [`NamedLock::release`] (or, if the test fails first, the session's end).
-    pub async fn hold_named_lock(&self, scope: &str, key: &str) -> NamedLock {
+    /// Holds (`scope`, `key`) in the default table as an executor in flight of a
+    /// `POST /effects` with the suite's `BODY` would, until [`HeldKey::release`]: the named lock that every release of idem
+    /// takes for the key, on a session of its own in the test's database (freed at
+    /// that session's end if the test fails first); in the cluster mode, a live
+    /// claim's committed row.
+    pub async fn hold_key(&self, scope: &str, key: &str) -> HeldKey {
+        if self.galera {
+            sqlx::query(
+                "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, \
+                     path, fingerprint, locked_until, expires_at, created_at) \
+                 VALUES (?, ?, 'processing', 42, 'POST', '/effects', ?, \
+                     UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
+                     UTC_TIMESTAMP(6))",
+            )
+            .bind(scope)
+            .bind(key)
+            .bind(&idem_axum::fingerprint(crate::BODY.as_bytes())[..])
+            .execute(&self.plain)
+            .await
+            .expect("a claim's row");
+            return HeldKey::Row {
+                pool: self.plain.clone(),
+                scope: scope.to_owned(),
+                key: key.to_owned(),
+            };
+        }
         use sha2::{Digest as _, Sha256};
         let mut seed = Sha256::new();
         for part in ["idempotency_keys", scope, key] {
@@ -81,26 +110,83 @@ impl My {
             .expect("GET_LOCK");
         assert_eq!(taken, Some(1), "nobody else holds the key's lock");
         conn.close_on_drop();
-        NamedLock { conn, name }
+        HeldKey::Lock { conn, name }
+    }
+
+    /// A pool on the test's database, with the run's session settings, that
+    /// notes the server's id of every session it opens.
+    pub async fn pool_noting_sessions(&self) -> (MySqlPool, Arc<Mutex<Vec<u64>>>) {
+        let sessions = Arc::new(Mutex::new(Vec::new()));
+        let noted = Arc::clone(&sessions);
+        let settings = self.settings.clone();
+        let pool = MySqlPoolOptions::new()
+            .max_connections(8)
+            .after_connect(move |conn, _| {
+                let (noted, settings) = (Arc::clone(&noted), settings.clone());
+                Box::pin(async move {
+                    if !settings.is_empty() {
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    noted.lock().expect("sessions").push(id);
+                    Ok(())
+                })
+            })
+            .connect_with((*self.plain.connect_options()).clone())
+            .await
+            .expect("connect to the test database");
+        (pool, sessions)
+    }
+
+    /// The server's own pool, outside the test's database (`mysql.*`, globals).
+    pub fn admin(&self) -> &MySqlPool {
+        &self.admin
     }
 }
 
-/// A key's named lock, held by a session of the test's.
-pub struct NamedLock {
-    conn: sqlx::pool::PoolConnection<MySql>,
-    name: String,
+/// A key held by the test (see [`My::hold_key`]).
+pub enum HeldKey {
+    Lock {
+        conn: sqlx::pool::PoolConnection<MySql>,
+        name: String,
+    },
+    Row {
+        pool: MySqlPool,
+        scope: String,
+        key: String,
+    },
 }
 
-impl NamedLock {
-    /// Frees the lock and waits for the server to say so: a closed session's
+impl HeldKey {
+    /// Frees the key and waits for the server to say so: a closed session's
     /// locks are freed only once the server has noticed the close.
-    pub async fn release(mut self) {
-        let freed: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
-            .bind(&self.name)
-            .fetch_one(&mut *self.conn)
-            .await
-            .expect("RELEASE_LOCK");
-        assert_eq!(freed, Some(1), "the lock was this session's");
+    pub async fn release(self) {
+        match self {
+            Self::Lock { mut conn, name } => {
+                let freed: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+                    .bind(&name)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .expect("RELEASE_LOCK");
+                assert_eq!(freed, Some(1), "the lock was this session's");
+            }
+            Self::Row { pool, scope, key } => {
+                let deleted = sqlx::query(
+                    "DELETE FROM idempotency_keys WHERE scope = ? AND idempotency_key = ? \
+                       AND lease = 42",
+                )
+                .bind(scope)
+                .bind(key)
+                .execute(&pool)
+                .await
+                .expect("delete the claim's row");
+                assert_eq!(deleted.rows_affected(), 1, "the claim was the test's");
+            }
+        }
     }
 }
 
@@ -168,17 +254,49 @@ impl Harness for My {
             .connect_with(options.database(&database))
             .await
             .expect("connect to test database");
+        let other = match std::env::var("IDEM_TEST_MYSQL_OTHER_URL") {
+            Ok(url) => {
+                let options: MySqlConnectOptions = url.parse().expect("IDEM_TEST_MYSQL_OTHER_URL");
+                // The database created through the first node exists on this one
+                // once the node has applied what the cluster committed before.
+                let mut node = sqlx::MySqlConnection::connect_with(&options)
+                    .await
+                    .expect("connect to the other node");
+                sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+                    .execute(&mut node)
+                    .await
+                    .expect("wsrep_sync_wait");
+                let there: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?",
+                )
+                .bind(&database)
+                .fetch_one(&mut node)
+                .await
+                .expect("the other node's databases");
+                assert_eq!(there, 1, "the test database on the other node");
+                Some(pool_running(options.database(&database), 24, settings.clone()).await)
+            }
+            Err(_) => None,
+        };
         sqlx::raw_sql(
             "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, scope VARCHAR(255) NOT NULL, note TEXT NOT NULL)",
         )
         .execute(&pool)
         .await
         .expect("create effects");
-        let store = Idempotency::builder(pool.clone())
+        let store = builder(pool.clone())
             .max_response_bytes(max_response_bytes)
             .build()
             .expect("store");
         store.migrate().await.expect("migrate");
+        let wsrep_on: Result<i64, _> = sqlx::query_scalar("SELECT CAST(@@wsrep_on AS SIGNED)")
+            .fetch_one(&admin)
+            .await;
+        let galera = match std::env::var("IDEM_TEST_MYSQL_GALERA").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => wsrep_on.is_ok_and(|on| on == 1),
+        };
         let leftover = Leftover::statement::<sqlx::MySqlConnection>(
             url,
             format!(
@@ -193,6 +311,8 @@ impl Harness for My {
             store,
             database,
             settings,
+            other,
+            galera,
             _leftover: leftover,
         })
     }
@@ -318,8 +438,21 @@ impl Harness for My {
         .expect("legacy rows");
     }
 
+    fn instance_on(&self, pool: MySqlPool) -> Builder<MySql> {
+        builder(pool).max_response_bytes(self.store.max_response_bytes())
+    }
+
+    /// On a cluster (`IDEM_TEST_MYSQL_OTHER_URL`), another instance writes through
+    /// another node, as instances behind a load balancer do.
+    fn another_instance(&self) -> Idempotency<MySql> {
+        let Some(pool) = &self.other else {
+            return self.instance_on(self.pool.clone()).build().expect("store");
+        };
+        self.instance_on(pool.clone()).build().expect("store")
+    }
+
     fn store_on(&self, table: &str) -> Idempotency<MySql> {
-        Idempotency::builder(self.pool.clone())
+        builder(self.pool.clone())
             .table(table)
             .build()
             .expect("store")
@@ -459,9 +592,25 @@ impl Harness for My {
     }
 
     async fn finish(self) {
+        if let Some(other) = &self.other {
+            other.close().await;
+        }
         self.pool.close().await;
         self.plain.close().await;
         self.admin.close().await;
+    }
+}
+
+/// A store's settings on `pool`: with `IDEM_TEST_MYSQL_GALERA=1`, the cluster
+/// mode even on a standalone server (on a cluster the server says so itself);
+/// with `=0`, the standalone design even on a cluster (which must fail there:
+/// the proof that the cluster's tests can).
+fn builder(pool: MySqlPool) -> Builder<MySql> {
+    let store = Idempotency::builder(pool);
+    match std::env::var("IDEM_TEST_MYSQL_GALERA").as_deref() {
+        Ok("1") => store.galera(true),
+        Ok("0") => store.galera(false),
+        _ => store,
     }
 }
 

@@ -1,0 +1,267 @@
+//! MySQL/MariaDB's cluster mode (`Builder::galera`), checked on whatever server
+//! the run has (standalone, or a node of a Galera cluster): everything it sends
+//! is a statement that Percona XtraDB Cluster's default strict mode accepts, read
+//! back from the server's general query log.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{Method, Response, StatusCode, Uri};
+use bytes::Bytes;
+use http_body_util::Full;
+use idem_axum::{
+    Forgotten, Idempotency, IdempotencyKey, Options, Outcome, RequestIdentity, Sweep, Tx,
+};
+use sqlx::MySql;
+use tokio::sync::Notify;
+
+use crate::harness::{Harness, My};
+
+/// What Percona XtraDB Cluster refuses under `pxc_strict_mode = ENFORCING`
+/// (explicit table locks, SERIALIZABLE, `FLUSH … WITH READ LOCK`), and the
+/// named-lock functions, which it refuses too and which hold on one node only.
+const REFUSED: &[&str] = &[
+    "GET_LOCK",
+    "RELEASE_LOCK",
+    "RELEASE_ALL_LOCKS",
+    "IS_USED_LOCK",
+    "IS_FREE_LOCK",
+    "LOCK TABLE",
+    "SERIALIZABLE",
+    "WITH READ LOCK",
+];
+
+/// What a handler of the workload does in its transaction.
+#[derive(Clone, Copy)]
+enum Handler {
+    /// Writes its effect and answers with the status.
+    Answer(u16),
+    /// Waits for the gate, then writes and answers 201.
+    Gated,
+    /// Writes, sends the statement (which ends its transaction), writes again.
+    Ends(&'static str),
+}
+
+struct Workload {
+    store: Idempotency<MySql>,
+    gate: Arc<Notify>,
+}
+
+impl Workload {
+    async fn send(&self, key: &str, body: &str, options: Options, handler: Handler) -> Outcome {
+        let uri = Uri::from_static("/effects");
+        let key = IdempotencyKey::parse(key.as_bytes()).ok();
+        let request = RequestIdentity::new(key, "alice", &Method::POST, &uri, body.as_bytes());
+        let gate = Arc::clone(&self.gate);
+        let response = self
+            .store
+            .execute(request, options, move |mut tx: Tx<MySql>| {
+                Box::pin(async move {
+                    let status = match handler {
+                        Handler::Answer(status) => status,
+                        Handler::Gated => {
+                            gate.notified().await;
+                            201
+                        }
+                        Handler::Ends(statement) => {
+                            let _ = My::insert_effect(&mut tx, "alice", "before").await;
+                            let _ = My::exec(&mut tx, statement, &[]).await;
+                            201
+                        }
+                    };
+                    let written = My::insert_effect(&mut tx, "alice", "effect").await;
+                    let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+                    *response.status_mut() = match written {
+                        Ok(_) => StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                    };
+                    response
+                })
+            })
+            .await;
+        *response.extensions().get::<Outcome>().expect("an outcome")
+    }
+}
+
+/// Every path of the cluster mode's claim → execute → record, and every
+/// operator's call, with the general query log on: no statement on its sessions
+/// is one that Percona XtraDB Cluster's strict mode refuses, and no session is
+/// left in a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
+    let Some(h) = crate::start::<My>().await else {
+        return;
+    };
+    let (pool, sessions) = h.pool_noting_sessions().await;
+    let logged: (i64, String) =
+        sqlx::query_as("SELECT @@GLOBAL.general_log, CAST(@@GLOBAL.log_output AS CHAR)")
+            .fetch_one(h.admin())
+            .await
+            .expect("the log's settings");
+    sqlx::raw_sql("SET GLOBAL log_output = 'TABLE'; SET GLOBAL general_log = 1")
+        .execute(h.admin())
+        .await
+        .expect("the general query log on");
+    let store = Idempotency::builder(pool.clone())
+        .table("pxc_keys")
+        .galera(true)
+        .replay_cache(0)
+        .build()
+        .expect("store");
+    let work = Workload {
+        store: store.clone(),
+        gate: Arc::new(Notify::new()),
+    };
+    let plain = Options::new();
+    let ran = async {
+        store.migrate().await.expect("migrate");
+        let body = r#"{"amount":100}"#;
+        let answer = Handler::Answer(201);
+        assert_eq!(
+            work.send("k-new", body, plain, answer).await,
+            Outcome::Executed
+        );
+        assert_eq!(
+            work.send("k-new", body, plain, answer).await,
+            Outcome::Replayed
+        );
+        assert_eq!(
+            work.send("k-new", "{}", plain, answer).await,
+            Outcome::Mismatch
+        );
+        assert_eq!(
+            work.send("k-fails", body, plain, Handler::Answer(500))
+                .await,
+            Outcome::Released
+        );
+        // In flight: a duplicate (with its Retry-After), a waiting one, and the
+        // operator's calls.
+        let first = {
+            let work = Workload {
+                store: store.clone(),
+                gate: Arc::clone(&work.gate),
+            };
+            tokio::spawn(async move { work.send("k-held", body, plain, Handler::Gated).await })
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while store
+            .in_flight("alice", "k-held")
+            .await
+            .expect("in_flight")
+            .is_none()
+        {
+            assert!(tokio::time::Instant::now() < deadline, "never claimed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            work.send("k-held", body, plain, answer).await,
+            Outcome::InFlight
+        );
+        assert_eq!(
+            store.forget("alice", "k-held").await.expect("forget"),
+            Forgotten::InFlight
+        );
+        assert_eq!(
+            store.claims(None, false, 10).await.expect("claims").len(),
+            1
+        );
+        let waiting = {
+            let work = Workload {
+                store: store.clone(),
+                gate: Arc::new(Notify::new()),
+            };
+            let wait = plain.wait(Duration::from_secs(10));
+            tokio::spawn(async move { work.send("k-held", body, wait, answer).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        work.gate.notify_one();
+        assert_eq!(first.await.expect("first"), Outcome::Executed);
+        assert_eq!(waiting.await.expect("waiting"), Outcome::Replayed);
+        // A claim left past its lock, and an expired record: taken over, replaced.
+        h.script(
+            "INSERT INTO pxc_keys (scope, idempotency_key, state, lease, method, path, \
+                 fingerprint, content_type, locked_until, expires_at, created_at) \
+             VALUES ('alice', 'k-stale', 'processing', 7, 'POST', '/effects', \
+                     UNHEX(SHA2('{\"amount\":100}', 256)), '', \
+                     UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, \
+                     UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE), \
+                    ('alice', 'k-old', 'completed', 8, 'POST', '/effects', \
+                     UNHEX(SHA2('{\"amount\":100}', 256)), '', \
+                     UTC_TIMESTAMP(6) - INTERVAL 2 HOUR, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, \
+                     UTC_TIMESTAMP(6) - INTERVAL 2 HOUR)",
+        )
+        .await;
+        assert_eq!(
+            work.send("k-stale", body, plain, answer).await,
+            Outcome::TakenOver
+        );
+        assert_eq!(
+            work.send("k-old", body, plain, answer).await,
+            Outcome::Executed
+        );
+        // Handlers that end their own transaction: after a ROLLBACK its next write
+        // is refused (the session is read-only until idem's end), so it fails.
+        assert_eq!(
+            work.send("k-rollback", body, plain, Handler::Ends("ROLLBACK"))
+                .await,
+            Outcome::Released
+        );
+        assert_eq!(
+            work.send("k-commit", body, plain, Handler::Ends("COMMIT"))
+                .await,
+            Outcome::TransactionEnded
+        );
+        assert_eq!(
+            store.forget("alice", "k-new").await.expect("forget"),
+            Forgotten::Deleted
+        );
+        store.sweep(Sweep::new()).await.expect("sweep");
+    };
+    let ran = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(ran)).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET GLOBAL general_log = {}; SET GLOBAL log_output = '{}'",
+        logged.0, logged.1
+    )))
+    .execute(h.admin())
+    .await
+    .expect("the general query log back");
+    if let Err(panic) = ran {
+        std::panic::resume_unwind(panic);
+    }
+
+    let ids: Vec<String> = sessions
+        .lock()
+        .expect("sessions")
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    let statements: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT CAST(argument AS CHAR) FROM mysql.general_log \
+         WHERE thread_id IN ({}) AND command_type IN ('Query', 'Prepare', 'Execute')",
+        ids.join(", ")
+    )))
+    .fetch_all(h.admin())
+    .await
+    .expect("the general query log");
+    let claims = statements
+        .iter()
+        .filter(|s| s.contains("INSERT INTO") && s.contains("pxc_keys"))
+        .count();
+    assert!(claims >= 5, "the log holds the claims: {statements:#?}");
+    for statement in &statements {
+        let upper = statement.to_uppercase();
+        for refused in REFUSED {
+            assert!(
+                !upper.contains(refused),
+                "{refused} sent in the cluster mode: {statement}"
+            );
+        }
+    }
+    assert_eq!(
+        h.open_transactions().await,
+        0,
+        "a session left in a transaction"
+    );
+    pool.close().await;
+    h.finish().await;
+}

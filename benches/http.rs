@@ -18,7 +18,10 @@
 //! PostgreSQL only so far. PostgreSQL's schemas are open to every role, as `public`
 //! is, so that idem records through its record function (upgrade 4);
 //! `IDEM_BENCH_PRIVATE_SCHEMA=1` closes them, and idem sends the session's restore
-//! and the record as two statements, as before that upgrade.
+//! and the record as two statements, as before that upgrade. On MySQL/MariaDB,
+//! `IDEM_BENCH_GALERA=1` runs idem in its cluster mode (the claim committed before
+//! the handler, as on a Galera cluster) on whichever server `IDEM_TEST_MYSQL_URL`
+//! names, `=0` in its standalone design; unset, as the server says.
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
@@ -781,7 +784,17 @@ trait Tune: idem_axum::Backend {
 
 impl Tune for Postgres {}
 
-impl Tune for MySql {}
+impl Tune for MySql {
+    /// `IDEM_BENCH_GALERA=1`: the cluster mode, also on a standalone server
+    /// (on a Galera node it is on by itself); `=0`: never.
+    fn tune(builder: idem_axum::Builder<Self>) -> idem_axum::Builder<Self> {
+        match std::env::var("IDEM_BENCH_GALERA").as_deref() {
+            Ok("1") => builder.galera(true),
+            Ok("0") => builder.galera(false),
+            _ => builder,
+        }
+    }
+}
 
 impl Tune for Sqlite {
     /// `IDEM_BENCH_SQLITE_DEFERRED=1`: the write lock at the handler's first write.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::FromRequestParts;
@@ -91,8 +91,9 @@ pub struct Bank<H: Harness> {
     _harness: PhantomData<fn() -> H>,
 }
 
-/// Charges a provider made, by account.
-pub type Charges = Arc<Mutex<HashMap<String, usize>>>;
+/// Charges a provider made, by account: when each handler run that made one
+/// started and ended.
+pub type Charges = Arc<Mutex<HashMap<String, Vec<(Instant, Instant)>>>>;
 
 /// How long the provider takes to answer a charge: long enough for duplicates
 /// sent at once to arrive while the first is in flight.
@@ -175,7 +176,7 @@ async fn transfer<H: Harness>(
     }
 }
 
-/// POST …/accounts/{acct}/charges: charges the card at the provider (counted in
+/// POST …/accounts/{acct}/charges: charges the card at the provider (noted in
 /// the bank's `charged`, outside the database), then books one row in `acct`.
 #[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
 async fn charge<H: Harness>(
@@ -185,19 +186,18 @@ async fn charge<H: Harness>(
     mut tx: Tx<H::DB>,
     Json(req): Json<NewTransfer>,
 ) -> Response {
-    if let Ok(mut charged) = bank.charged.lock() {
-        *charged.entry(acct.clone()).or_default() += 1;
-    }
+    let started = Instant::now();
     tokio::time::sleep(PROVIDER_LATENCY).await;
     let amount = req.amount.to_string();
     let sql = "INSERT INTO transfers (id, account, owner, amount, via) VALUES ($1, $2, $3, $4, $5)";
-    match H::exec(
-        &mut *tx,
-        sql,
-        &[&row_id(), &acct, &user.0, &amount, "charge"],
-    )
-    .await
-    {
+    let values = [row_id(), acct.clone(), user.0, amount, "charge".to_owned()];
+    let values: Vec<&str> = values.iter().map(String::as_str).collect();
+    let booked = H::exec(&mut *tx, sql, &values).await;
+    if let Ok(mut charged) = bank.charged.lock() {
+        let runs = charged.entry(acct.clone()).or_default();
+        runs.push((started, Instant::now()));
+    }
+    match booked {
         Ok(_) => (StatusCode::CREATED, format!(r#"{{"charged":"{acct}"}}"#)).into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
     }

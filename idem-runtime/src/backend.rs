@@ -17,7 +17,11 @@
 //! 3. A claim of which exactly one of many concurrent requests wins, with the
 //!    others told at once (a try-lock, never a wait on the winner's row); a record
 //!    conditional on the claim still being held, by the database's clock; a claim
-//!    freed when its transaction or session ends, or once `lock` has passed.
+//!    freed when its transaction or session ends, or once `lock` has passed. A
+//!    database without a lock every writer sees (no advisory locks, or locks that
+//!    stay on one node of a cluster) takes the committed claim with a lease of
+//!    `lease.rs`, as SQLite and MySQL's cluster mode do: it writes its claim and
+//!    spells a `lease::Dialect`.
 //! 4. Correct under every isolation level the database lets a user choose as a
 //!    default, or a refusal to start that names the setting; through the poolers
 //!    its deployments use.

@@ -440,11 +440,12 @@ impl Driver for MySql {
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
-        if let Some(cluster) = sql.known() {
-            return cluster::record(conn, sql, cluster, id, claim, response).await;
-        }
+        let cluster = sql.known();
         let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-        let completed = sqlx::query(AssertSqlSafe(sql.record.clone()))
+        // Over the claim's row in the handler's transaction: the ended mark
+        // `begin_text` (or, in the cluster mode, `cluster::begin_text`) wrote.
+        let over = cluster.map_or(&sql.record, |cluster| &cluster.record);
+        let completed = sqlx::query(AssertSqlSafe(over.clone()))
             .bind(status)
             .bind(response.headers)
             .bind(response.body)
@@ -460,7 +461,7 @@ impl Driver for MySql {
             Err(error) if read_only(&error) => {}
             Err(error) => return Err(error),
         }
-        if ended(conn, sql, id, claim.lease, false).await? {
+        if ended(conn, sql, id, claim.lease, cluster.is_some()).await? {
             return Ok(Written::Ended);
         }
         // The database rolled the handler's transaction back (a deadlock, a lock
@@ -469,22 +470,31 @@ impl Driver for MySql {
         // its own, since the claim turned `autocommit` off, and `ended` rolled it
         // back. Nothing of the handler's is left, and its answer is recorded alone,
         // as PostgreSQL records an answer given after an error voided the
-        // transaction, if the claim still holds the key.
+        // transaction, if the claim still holds the key: over the committed claim
+        // in the cluster mode, else as the whole row, under the named lock.
         <MySql as sqlx::Database>::TransactionManager::begin(conn, None).await?;
-        let done = sqlx::query(AssertSqlSafe(sql.record_alone.clone()))
-            .bind(id.scope)
-            .bind(id.key)
-            .bind(claim.lease)
-            .bind(id.method)
-            .bind(id.path)
-            .bind(&id.fingerprint[..])
-            .bind(id.content_type)
-            .bind(status)
-            .bind(response.headers)
-            .bind(response.body)
-            .bind(response.ttl_ms)
-            .execute(&mut *conn)
-            .await?;
+        let alone = match cluster {
+            Some(cluster) => sqlx::query(AssertSqlSafe(cluster.lease.record.clone()))
+                .bind(status)
+                .bind(response.headers)
+                .bind(response.body)
+                .bind(id.scope)
+                .bind(id.key)
+                .bind(claim.lease),
+            None => sqlx::query(AssertSqlSafe(sql.record_alone.clone()))
+                .bind(id.scope)
+                .bind(id.key)
+                .bind(claim.lease)
+                .bind(id.method)
+                .bind(id.path)
+                .bind(&id.fingerprint[..])
+                .bind(id.content_type)
+                .bind(status)
+                .bind(response.headers)
+                .bind(response.body)
+                .bind(response.ttl_ms),
+        };
+        let done = alone.execute(&mut *conn).await?;
         // One row inserted, or an expired one replaced (two, as MySQL counts it).
         Ok(Written::held(done.rows_affected() > 0))
     }

@@ -24,7 +24,7 @@ use super::{
     LATER_READ_ONLY, MARIADB_TIMEOUTS_BACK, READ_COMMITTED_ONCE, error_number, key_filter,
     mariadb_timeouts,
 };
-use crate::backend::{Claim, Found, Identity, Opened, Recorded, Written};
+use crate::backend::{Claim, Found, Identity, Opened};
 use crate::key::to_hex;
 use crate::lease::{Dialect, Statements};
 use crate::tx::Open;
@@ -55,7 +55,7 @@ const BUSY_PATIENCE: Duration = Duration::from_secs(1);
 pub(crate) struct Sql {
     pub(super) lease: Statements,
     /// Completes the ended mark with the response, in the handler's transaction.
-    record: Arc<str>,
+    pub(super) record: Arc<str>,
     /// `COMMIT`, then the session's own settings back.
     commit: Arc<str>,
     /// `ROLLBACK`, then the same.
@@ -374,50 +374,6 @@ pub(super) async fn lookup(
     );
     let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(conn).await?;
     rows.first().map(Found::decode).transpose()
-}
-
-/// Records the response over the ended mark, in the handler's transaction; when
-/// that transaction is gone, as the standalone design does (`super::idem_record`).
-pub(super) async fn record(
-    conn: &mut MySqlConnection,
-    sql: &super::Sql,
-    cluster: &Sql,
-    id: &Identity<'_>,
-    claim: Claim,
-    response: Recorded<'_>,
-) -> Result<Written, sqlx::Error> {
-    let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-    let completed = sqlx::query(AssertSqlSafe(cluster.record.clone()))
-        .bind(status)
-        .bind(response.headers)
-        .bind(response.body)
-        .bind(id.scope)
-        .bind(id.key)
-        .bind(claim.lease)
-        .execute(&mut *conn)
-        .await;
-    match completed {
-        Ok(done) if done.rows_affected() > 0 => return Ok(Written::Recorded),
-        Ok(_) => {}
-        Err(error) if super::read_only(&error) => {}
-        Err(error) => return Err(error),
-    }
-    if super::ended(conn, sql, id, claim.lease, true).await? {
-        return Ok(Written::Ended);
-    }
-    // The database rolled the handler's transaction back: the claim is the
-    // committed `processing` row again, and the answer is recorded over it alone.
-    <MySql as sqlx::Database>::TransactionManager::begin(conn, None).await?;
-    let done = sqlx::query(AssertSqlSafe(cluster.lease.record.clone()))
-        .bind(status)
-        .bind(response.headers)
-        .bind(response.body)
-        .bind(id.scope)
-        .bind(id.key)
-        .bind(claim.lease)
-        .execute(&mut *conn)
-        .await?;
-    Ok(Written::held(done.rows_affected() > 0))
 }
 
 /// Commits the handler's transaction and gives the session its settings back. A

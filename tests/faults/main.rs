@@ -11,6 +11,9 @@
 //! IDEM_FAULTS_ONLY=failover cargo test --all-features --test faults
 //!                  # PostgreSQL under Patroni, failed over (opt-in: needs root and
 //!                  # the packages patroni, etcd-server and haproxy)
+//! IDEM_FAULTS_ONLY=galera cargo test --all-features --test faults
+//!                  # a Galera node killed mid-storm (opt-in: needs the cluster
+//!                  # that `bash .ci/galera` starts)
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -31,6 +34,7 @@ mod example;
 mod cluster;
 mod db;
 mod failover;
+mod galera;
 mod proc;
 mod scenarios;
 mod server;
@@ -141,6 +145,19 @@ async fn run() -> ExitCode {
         eprintln!(
             "failover: not run (IDEM_FAULTS_ONLY=failover runs it; needs patroni, etcd-server, haproxy)"
         );
+    }
+    if only.as_deref() == Some("galera") {
+        let began = Instant::now();
+        let row = galera::node_killed().await;
+        eprintln!(
+            "{}: {} in {:.1} s",
+            row.scenario,
+            row.result(),
+            began.elapsed().as_secs_f64()
+        );
+        rows.push(row);
+    } else {
+        eprintln!("galera: not run (IDEM_FAULTS_ONLY=galera runs it; needs `bash .ci/galera`)");
     }
     for scenario in [
         Scenario::Crash,

@@ -425,7 +425,7 @@ async fn narrow_window(db: &Fresh, row: &mut Row) -> Result<(), String> {
 // ---------------------------------------------------------------------------------
 // The suite's server
 
-fn effect_headers(key: &str, extra: &[(&'static str, u64)]) -> Vec<(&'static str, String)> {
+pub fn effect_headers(key: &str, extra: &[(&'static str, u64)]) -> Vec<(&'static str, String)> {
     let mut headers = vec![("idempotency-key", key.to_owned())];
     headers.extend(extra.iter().map(|(name, value)| (*name, value.to_string())));
     headers

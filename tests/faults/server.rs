@@ -7,14 +7,17 @@
 //! default 1024); `BODY_TIMEOUT_MS` and `MAX_RESPONSE` (the store's settings);
 //! `BUSY_MS` (SQLite's busy timeout, default 30000); `ABORT_AFTER_COMMIT=<key>`
 //! (the process dies right after the request under that `Idempotency-Key`
-//! commits, before its response is written).
+//! commits, before its response is written); `GALERA` (`1` or `0`: MySQL's
+//! cluster mode forced on or off, `Builder::galera`).
 //! Prints `listening on http://ADDR` first.
 //!
 //! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
 //! `x-wait-ms`, `x-sleep-ms`, `x-big` (response bytes); the body is the note
 //! written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes written
 //! more than once), `GET /started/{note}` (200 once a handler writing that note has
-//! made its write, 404 before).
+//! made its write, 404 before), `GET /runs` (every run of the handler in this
+//! process, whatever became of its transaction: `[[note, started µs, ended µs]]`,
+//! by the wall clock, which every process on the machine shares).
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -41,6 +44,16 @@ pub const ROLE: &str = "IDEM_FAULTS_ROLE";
 /// Notes whose handler has written them (uncommitted, maybe): the suite waits for
 /// this before it freezes or cuts an executor, so the fault lands mid-transaction.
 static STARTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Every run of the handler: note, and when it started and ended (µs since the
+/// Unix epoch).
+static RUNS: Mutex<Vec<(String, u128, u128)>> = Mutex::new(Vec::new());
+
+fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros())
+}
 
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'a>>;
 
@@ -137,8 +150,15 @@ async fn effect<DB: Effects>(
     request
         .run(&scope.clone(), options, move |mut tx| {
             Box::pin(async move {
+                let began = now_us();
+                let ran = |note: &str| {
+                    if let Ok(mut runs) = RUNS.lock() {
+                        runs.push((note.to_owned(), began, now_us()));
+                    }
+                };
                 // Per scope: the same body under two scopes is two notes.
                 if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
+                    ran(&note);
                     return database_error(&error);
                 }
                 if let Ok(mut started) = STARTED.lock() {
@@ -147,6 +167,7 @@ async fn effect<DB: Effects>(
                         .insert(note.clone());
                 }
                 tokio::time::sleep(sleep).await;
+                ran(&note);
                 let body =
                     serde_json::json!({ "scope": scope, "note": note, "pad": "x".repeat(big) });
                 (StatusCode::CREATED, body.to_string()).into_response()
@@ -166,6 +187,11 @@ async fn started(Path(note): Path<String>) -> StatusCode {
     }
 }
 
+async fn runs() -> Response {
+    let runs = RUNS.lock().map(|runs| runs.clone()).unwrap_or_default();
+    serde_json::json!(runs).to_string().into_response()
+}
+
 async fn stats<DB: Effects>(State(store): State<Idempotency<DB>>) -> Response {
     match DB::stats(store.pool()).await {
         Ok((effects, doubles)) => serde_json::json!({ "effects": effects, "doubles": doubles })
@@ -175,7 +201,13 @@ async fn stats<DB: Effects>(State(store): State<Idempotency<DB>>) -> Response {
     }
 }
 
-async fn serve<DB: Effects>(pool: Pool<DB>) -> Result<(), Box<dyn std::error::Error>>
+/// The store's settings a backend adds (`GALERA` on MySQL).
+type Tune<DB> = fn(idem_axum::Builder<DB>) -> idem_axum::Builder<DB>;
+
+async fn serve<DB: Effects>(
+    pool: Pool<DB>,
+    tune: Tune<DB>,
+) -> Result<(), Box<dyn std::error::Error>>
 where
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
 {
@@ -188,7 +220,7 @@ where
     if let Some(bytes) = setting("MAX_RESPONSE") {
         store = store.max_response_bytes(usize::try_from(bytes)?);
     }
-    let store = store.build()?;
+    let store = tune(store).build()?;
     store.migrate().await?;
     let limit = usize::try_from(setting("BODY_LIMIT").unwrap_or(1024))?;
     let router = Router::new()
@@ -199,6 +231,7 @@ where
         )
         .route("/stats", get(stats::<DB>))
         .route("/started/{note}", get(started))
+        .route("/runs", get(runs))
         .with_state(store);
     let router = match std::env::var("ABORT_AFTER_COMMIT") {
         Ok(key) => router.layer(axum::middleware::from_fn(move |request, next| {
@@ -248,14 +281,14 @@ async fn start() -> Result<(), Box<dyn std::error::Error>> {
             .acquire_timeout(acquire)
             .connect_with(PgConnectOptions::from_str(&url)?)
             .await?;
-        serve(pool).await
+        serve(pool, |store| store).await
     } else if url.starts_with("mysql:") {
         let pool = MySqlPoolOptions::new()
             .max_connections(size)
             .acquire_timeout(acquire)
             .connect_with(MySqlConnectOptions::from_str(&url)?)
             .await?;
-        serve(pool).await
+        serve(pool, galera).await
     } else {
         let busy = std::env::var("BUSY_MS")
             .ok()
@@ -270,7 +303,16 @@ async fn start() -> Result<(), Box<dyn std::error::Error>> {
             .acquire_timeout(acquire)
             .connect_with(options)
             .await?;
-        serve(pool).await
+        serve(pool, |store| store).await
+    }
+}
+
+/// `GALERA=1` or `0`: MySQL's cluster mode forced on or off.
+fn galera(store: idem_axum::Builder<MySql>) -> idem_axum::Builder<MySql> {
+    match std::env::var("GALERA").as_deref() {
+        Ok("1") => store.galera(true),
+        Ok("0") => store.galera(false),
+        _ => store,
     }
 }
 

@@ -1,0 +1,249 @@
+//! A node of a multi-primary MariaDB Galera cluster killed (SIGKILL) while keys
+//! are sent through instances on every node: idem's cluster mode on the cluster
+//! `.ci/galera` brings up (SQL on 127.0.0.1:3311-3313, its files under
+//! `IDEM_GALERA_DIR`, default `/tmp/idem-galera`). Opt-in, as the failover
+//! scenario: `IDEM_FAULTS_ONLY=galera`.
+//!
+//! Durability relies on the cluster's settings as `.ci/galera` leaves them, the
+//! server's defaults: `innodb_flush_log_at_trx_commit = 1`, `sync_binlog = 0`. A
+//! commit is acknowledged once certified, when every node holds its write set:
+//! the surviving nodes keep it whatever the killed one had flushed.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use sqlx::{AssertSqlSafe, Connection as _, MySqlConnection};
+use tokio::task::JoinSet;
+
+use crate::db::Backend;
+use crate::proc::{Proc, client, post};
+use crate::scenarios::Row;
+
+const NODES: [u16; 3] = [3311, 3312, 3313];
+/// The node killed: the second.
+const KILLED: usize = 1;
+
+fn url(port: u16, database: &str) -> String {
+    format!("mysql://root@127.0.0.1:{port}/{database}")
+}
+
+async fn node(port: u16) -> Result<MySqlConnection, String> {
+    MySqlConnection::connect(&url(port, "mysql"))
+        .await
+        .map_err(|e| {
+            format!("Galera node on {port} not reachable ({e}); start it with `bash .ci/galera`")
+        })
+}
+
+/// Runs `sql` on the node, after it has applied what the cluster committed.
+async fn on_node(port: u16, sql: &str) -> Result<Vec<(String, i64)>, String> {
+    let mut conn = node(port).await?;
+    sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+        .execute(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    sqlx::query_as(AssertSqlSafe(sql.to_owned()))
+        .fetch_all(&mut conn)
+        .await
+        .map_err(|e| format!("{sql}: {e}"))
+}
+
+/// The keys sent: each to every instance at once; a client whose instance fails
+/// (its node died: 503, or no answer) or is busy (409) tries the next one.
+pub async fn node_killed() -> Row {
+    let mut row = Row::new("Galera node killed (SIGKILL)", Backend::MySql);
+    let dir = PathBuf::from(
+        std::env::var("IDEM_GALERA_DIR").unwrap_or_else(|_| "/tmp/idem-galera".to_owned()),
+    );
+    let database = format!("idem_faults_galera_{}", std::process::id());
+    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
+        600
+    } else {
+        150
+    };
+    let mut first = match node(NODES[0]).await {
+        Ok(conn) => conn,
+        Err(error) => return row.failed(error),
+    };
+    if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut first)
+        .await
+    {
+        return row.failed(error.to_string());
+    }
+    // Every node has the database before an instance connects to it.
+    for port in NODES {
+        let sql = format!(
+            "SELECT SCHEMA_NAME, 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = '{database}'"
+        );
+        match on_node(port, &sql).await {
+            Ok(found) if found.len() == 1 => {}
+            other => return row.failed(format!("the database on {port}: {other:?}")),
+        }
+    }
+    let mut instances = Vec::new();
+    for port in NODES {
+        // `IDEM_FAULTS_GALERA=0` runs the standalone design instead, which must
+        // fail here: the proof that this scenario can.
+        let galera = std::env::var("IDEM_FAULTS_GALERA").unwrap_or_default();
+        let env = [("ACQUIRE_MS", "3000"), ("GALERA", galera.as_str())];
+        match Proc::server(&url(port, &database), &env).await {
+            Ok(instance) => instances.push(instance),
+            Err(error) => return row.failed(error),
+        }
+    }
+    let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
+
+    let started = Instant::now();
+    let once = client(1);
+    let mut sent = JoinSet::new();
+    for k in 0..keys {
+        for start in 0..NODES.len() {
+            let (once, addrs) = (once.clone(), addrs.clone());
+            sent.spawn(async move {
+                // Spread over the run, so that the kill lands mid-storm.
+                tokio::time::sleep(Duration::from_millis(k * 20)).await;
+                let key = format!("galera-{k}");
+                let headers = crate::scenarios::effect_headers(
+                    &key,
+                    &[("x-sleep-ms", 200), ("x-lock-ms", 4000)],
+                );
+                let mut attempts: u32 = 0;
+                let mut through = start;
+                let deadline = Instant::now() + Duration::from_secs(90);
+                while Instant::now() < deadline {
+                    attempts += 1;
+                    let answer =
+                        post(&once, &addrs[through], "/effects", &headers, key.clone()).await;
+                    match answer {
+                        Ok(answer) if answer.status == 201 => return (k, Ok(attempts)),
+                        Ok(answer) if matches!(answer.status, 409 | 500 | 503) => {}
+                        Ok(answer) => {
+                            return (k, Err(format!("{} {}", answer.status, answer.text())));
+                        }
+                        Err(_) => {}
+                    }
+                    through = (through + 1) % addrs.len();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                (k, Err("never answered 201 within 90 s".to_owned()))
+            });
+        }
+    }
+    // Mid-storm: the second node dies at once, as a machine does.
+    tokio::time::sleep(Duration::from_millis(keys * 20 / 2)).await;
+    let pid = std::fs::read_to_string(dir.join(format!("node{}", KILLED + 1)).join("mysqld.pid"))
+        .ok()
+        .and_then(|pid| pid.trim().parse::<u32>().ok());
+    let Some(pid) = pid else {
+        return row.failed(format!(
+            "no pid file for node {} under {}",
+            KILLED + 1,
+            dir.display()
+        ));
+    };
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    let killed_at = started.elapsed();
+    // It rejoins a few seconds later, while the storm still runs.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rejoin = tokio::process::Command::new("bash")
+        .args([".ci/galera", "node", &(KILLED + 1).to_string()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status();
+
+    let mut answered: BTreeMap<u64, u32> = BTreeMap::new();
+    while let Some(joined) = sent.join_next().await {
+        match joined {
+            Ok((k, Ok(attempts))) => {
+                row.requests += u64::from(attempts);
+                *answered.entry(k).or_default() += 1;
+            }
+            Ok((k, Err(problem))) => row.problems.push(format!("galera-{k}: {problem}")),
+            Err(error) => row.problems.push(error.to_string()),
+        }
+    }
+    match rejoin.await {
+        Ok(status) if status.success() => {}
+        other => row
+            .problems
+            .push(format!("node {} did not rejoin: {other:?}", KILLED + 1)),
+    }
+    row.check(answered.len() as u64 == keys, || {
+        format!("{} of {keys} keys answered 201", answered.len())
+    });
+
+    // What every node holds, the rejoined one included: one effect per key, every
+    // key completed, no claim left behind.
+    for port in NODES {
+        let effects =
+            format!("SELECT note, COUNT(*) FROM {database}.effects GROUP BY note ORDER BY note");
+        match on_node(port, &effects).await {
+            Ok(notes) => {
+                let doubles = notes.iter().filter(|(_, n)| *n > 1).count() as u64;
+                row.doubles = row.doubles.max(doubles);
+                row.check(notes.len() as u64 == keys, || {
+                    format!(
+                        "node {port}: {} keys with an effect, of {keys}",
+                        notes.len()
+                    )
+                });
+                if port == NODES[0] {
+                    row.effects = notes.iter().map(|(_, n)| *n as u64).sum();
+                }
+            }
+            Err(error) => row.problems.push(error),
+        }
+        let states =
+            format!("SELECT state, COUNT(*) FROM {database}.idempotency_keys GROUP BY state");
+        match on_node(port, &states).await {
+            Ok(states) => row.check(states == [("completed".to_owned(), keys as i64)], || {
+                format!("node {port}: keys {states:?}, expected {keys} completed")
+            }),
+            Err(error) => row.problems.push(error),
+        }
+    }
+    // The handler's runs, from every instance: never two of a key at once. (A
+    // run whose node died is followed by another once its claim's lock passed.)
+    let mut runs: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
+    for addr in &addrs {
+        match crate::proc::get_json(addr, "/runs", None).await {
+            Ok(serde_json::Value::Array(all)) => {
+                for run in all {
+                    let note = run[0].as_str().unwrap_or_default().to_owned();
+                    let (began, ended) = (run[1].as_u64(), run[2].as_u64());
+                    if let (Some(began), Some(ended)) = (began, ended) {
+                        runs.entry(note)
+                            .or_default()
+                            .push((u128::from(began), u128::from(ended)));
+                    }
+                }
+            }
+            other => row.problems.push(format!("runs from {addr}: {other:?}")),
+        }
+    }
+    let mut at_once = Vec::new();
+    for (note, times) in &mut runs {
+        times.sort_unstable();
+        if times.windows(2).any(|two| two[1].0 < two[0].1) {
+            at_once.push(note.clone());
+        }
+    }
+    row.check(at_once.is_empty(), || {
+        format!("{} keys run twice at once: {at_once:?}", at_once.len())
+    });
+    let again = runs.values().filter(|times| times.len() > 1).count();
+    drop(instances);
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
+        .execute(&mut first)
+        .await;
+    row.note = format!(
+        "{keys} keys x 3 instances on 3 nodes; node 2 killed at {:.1} s, rejoined; \
+         {again} keys run again after a cut run; {} s in all",
+        killed_at.as_secs_f64(),
+        started.elapsed().as_secs()
+    );
+    row
+}

@@ -792,15 +792,17 @@ impl<DB: Backend> Idempotency<DB> {
                 (outcome, response, conn)
             }
         };
-        if let Err(error) = DB::idem_finish(&mut conn, sql, id, lease, committed).await {
-            // Session state left behind must not be pooled.
+        let finished = DB::idem_finish(&mut conn, sql, id, lease, committed).await;
+        if finished.is_err() || !clean {
+            // Session state left behind, or whatever state the session is in after
+            // a failure, is not handed to the next request.
             conn.close_on_drop();
-            self.finish_elsewhere(error, id, lease, claimed_at + lock)
-                .await;
         }
-        if !clean {
-            // Whatever state the session is in, it is not handed to the next request.
-            conn.close_on_drop();
+        // Given back first: finishing elsewhere may need a connection of the pool.
+        drop(conn);
+        if let Err(error) = finished {
+            self.finish_elsewhere(error, id, lease, claimed_at + lock, true)
+                .await;
         }
         if waits {
             self.inner().signals.publish(signal);
@@ -816,12 +818,16 @@ impl<DB: Backend> Idempotency<DB> {
     /// lock, held by another writer for longer than the busy timeout), in the
     /// background, until it succeeds or `until` (the claim's lock) has passed: the
     /// key is free as soon as the database lets go, not at the end of the lock.
+    /// `may_wait`: the caller holds no connection of the pool, so the one for
+    /// `Again::Now` may be waited for (a second at most); else only an idle one
+    /// is taken, and without one the finish is left to the background.
     async fn finish_elsewhere(
         &self,
         error: sqlx::Error,
         id: &Identity<'_>,
         lease: i64,
         mut until: Instant,
+        may_wait: bool,
     ) {
         let sql = &self.inner().sql;
         match DB::idem_finish_again(sql, &error) {
@@ -831,14 +837,20 @@ impl<DB: Backend> Idempotency<DB> {
             }
             Again::Later => {}
             Again::Now => {
-                let again = match self.inner().pool.acquire().await {
-                    Ok(mut conn) => DB::idem_finish(&mut conn, sql, id, lease, false)
+                let pool = &self.inner().pool;
+                let conn = if may_wait {
+                    tokio::time::timeout(Duration::from_secs(1), pool.acquire())
                         .await
-                        .inspect_err(|_| conn.close_on_drop()),
-                    Err(error) => Err(error),
+                        .ok()
+                        .and_then(Result::ok)
+                } else {
+                    pool.try_acquire()
                 };
-                if again.is_ok() {
-                    return;
+                if let Some(mut conn) = conn {
+                    match DB::idem_finish(&mut conn, sql, id, lease, false).await {
+                        Ok(()) => return,
+                        Err(_) => conn.close_on_drop(),
+                    }
                 }
                 // Released by its lease, the claim may be let go past its lock.
                 until = until.max(Instant::now() + FINISH_GRACE);
@@ -905,7 +917,8 @@ impl<DB: Backend> Idempotency<DB> {
             // session may be left in any state, so it is not reused.
             conn.close_on_drop();
             if let Err(finish) = DB::idem_finish(conn, sql, id, lease, false).await {
-                self.finish_elsewhere(finish, id, lease, Instant::now() + lock)
+                // `conn` is still the caller's: no waiting for another.
+                self.finish_elsewhere(finish, id, lease, Instant::now() + lock, false)
                     .await;
             }
             return self.store_failed(&error).into();

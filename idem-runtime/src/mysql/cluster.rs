@@ -429,3 +429,21 @@ async fn release(
         .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Sql, WRITE_SET_ROOM};
+
+    #[test]
+    fn responses_leave_room_in_the_write_set() {
+        let carried = |max| Sql::new("t", true, max).max_response;
+        assert_eq!(carried(None), None);
+        assert_eq!(carried(Some(3 << 20)), Some(2 << 20));
+        // A write set too small for any response refuses every one, never wraps.
+        assert_eq!(carried(Some(WRITE_SET_ROOM / 2)), Some(0));
+        assert_eq!(
+            carried(Some(2_147_483_647)),
+            Some(2_147_483_647 - (1 << 20))
+        );
+    }
+}

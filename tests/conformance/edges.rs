@@ -287,7 +287,9 @@ pub async fn migrate_upgrades_a_table_of_the_previous_release<H: Harness>() {
 /// MySQL/MariaDB: a key's claim takes the named lock every release of idem takes
 /// for it in the pool's database, so instances of two releases exclude each other
 /// during a rolling deploy; also when the session has moved to another database
-/// than its pool's, where the key stays in the pool's database's table.
+/// than its pool's, where the key stays in the pool's database's table. (In the
+/// cluster mode the key is held by its committed claim row instead, which the
+/// test writes in the pool's database: `My::hold_key`.)
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_claims_take_the_lock_every_release_takes() {

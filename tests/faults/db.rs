@@ -220,10 +220,27 @@ pub async fn restart_server(backend: Backend) -> Result<(), String> {
                 "root",
             ];
             tokio::task::spawn_blocking(move || {
+                // This server by its pid file: another `mariadbd` may run on the
+                // machine (the Galera cluster's nodes), which `--exec` alone would
+                // take for it.
+                let pid_file = String::from_utf8(
+                    std::process::Command::new("mariadb")
+                        .args(&ping)
+                        .args(["-N", "-e", "SELECT @@pid_file"])
+                        .output()
+                        .map_err(|e| format!("mariadb: {e}"))?
+                        .stdout,
+                )
+                .map_err(|e| e.to_string())?
+                .trim()
+                .to_owned();
+                if pid_file.is_empty() {
+                    return Err("the server's pid file is unknown".to_owned());
+                }
                 run("mariadb-admin", &[&ping[..], &["shutdown"]].concat())?;
                 // `shutdown` returns before the server has exited; starting while
                 // it still runs would do nothing.
-                let daemon = ["--exec", "/usr/sbin/mariadbd"];
+                let daemon = ["--pidfile", &pid_file, "--exec", "/usr/sbin/mariadbd"];
                 for _ in 0..120 {
                     if run("start-stop-daemon", &[&["--status"][..], &daemon].concat()).is_err() {
                         break;

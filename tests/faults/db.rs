@@ -225,7 +225,7 @@ pub async fn restart_server(backend: Backend) -> Result<(), String> {
                 // take for it.
                 let pid_file = String::from_utf8(
                     std::process::Command::new("mariadb")
-                        .args(&ping)
+                        .args(ping)
                         .args(["-N", "-e", "SELECT @@pid_file"])
                         .output()
                         .map_err(|e| format!("mariadb: {e}"))?

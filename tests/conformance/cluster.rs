@@ -248,7 +248,8 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
         .filter(|s| s.contains("INSERT INTO") && s.contains("pxc_keys"))
         .count();
     assert!(claims >= 5, "the log holds the claims: {statements:#?}");
-    for statement in &statements {
+    // The application's own settings (a CI run's SERIALIZABLE) are not idem's.
+    for statement in statements.iter().filter(|s| *s != h.session_settings()) {
         let upper = statement.to_uppercase();
         for refused in REFUSED {
             assert!(

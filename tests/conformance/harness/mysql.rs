@@ -142,6 +142,12 @@ impl My {
         (pool, sessions)
     }
 
+    /// What the application's pools send on every new session (the run's
+    /// settings), empty when the run has none.
+    pub fn session_settings(&self) -> &str {
+        &self.settings
+    }
+
     /// The server's own pool, outside the test's database (`mysql.*`, globals).
     pub fn admin(&self) -> &MySqlPool {
         &self.admin

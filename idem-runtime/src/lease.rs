@@ -119,11 +119,12 @@ impl Changed for sqlx::sqlite::SqliteQueryResult {
 }
 
 /// Runs `read` (scope, key) as the dialect reads: on its own, or in a transaction
-/// of its own that it ends.
+/// of its own that it ends. `prepared` for the reads of the request path, which
+/// run often enough to keep in the connection's statement cache.
 async fn read_one<DB, O>(
     conn: &mut DB::Connection,
     statements: &Statements,
-    read: &str,
+    (read, prepared): (&str, bool),
     scope: &str,
     key: &str,
 ) -> Result<Option<O>, sqlx::Error>
@@ -135,7 +136,7 @@ where
     O: for<'r> sqlx::FromRow<'r, DB::Row> + Send + Unpin,
 {
     let query = sqlx::query_as::<_, O>(AssertSqlSafe(read.to_owned()))
-        .persistent(false)
+        .persistent(prepared)
         .bind(scope)
         .bind(key);
     if !statements.reads_in_transaction {
@@ -163,7 +164,7 @@ where
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
     (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
-    let left = read_one::<DB, (i64,)>(conn, statements, &statements.lock_left, scope, key);
+    let left = read_one::<DB, (i64,)>(conn, statements, (&statements.lock_left, true), scope, key);
     Ok(left.await?.map(|(ms,)| ms))
 }
 
@@ -182,7 +183,8 @@ where
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
     (i64, i64): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
-    let claim = read_one::<DB, (i64, i64)>(conn, statements, &statements.in_flight, scope, key);
+    let read = (&*statements.in_flight, false);
+    let claim = read_one::<DB, (i64, i64)>(conn, statements, read, scope, key);
     Ok(claim.await?.map(|(age_ms, lock_left_ms)| InFlight {
         session: None,
         age_ms: Some(age_ms),

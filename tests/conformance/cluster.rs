@@ -42,6 +42,7 @@ enum Handler {
     Ends(&'static str),
 }
 
+#[derive(Clone)]
 struct Workload {
     store: Idempotency<MySql>,
     gate: Arc<Notify>,
@@ -137,10 +138,7 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
         // In flight: a duplicate (with its Retry-After), a waiting one, and the
         // operator's calls.
         let first = {
-            let work = Workload {
-                store: store.clone(),
-                gate: Arc::clone(&work.gate),
-            };
+            let work = work.clone();
             tokio::spawn(async move { work.send("k-held", body, plain, Handler::Gated).await })
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -166,10 +164,7 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
             1
         );
         let waiting = {
-            let work = Workload {
-                store: store.clone(),
-                gate: Arc::new(Notify::new()),
-            };
+            let work = work.clone();
             let wait = plain.wait(Duration::from_secs(10));
             tokio::spawn(async move { work.send("k-held", body, wait, answer).await })
         };

@@ -124,6 +124,22 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
     Some(row)
 }
 
+/// Runs a scenario (`None`: not on this machine), says how it went and in how
+/// long, and keeps its row.
+async fn timed(rows: &mut Vec<Row>, scenario: impl Future<Output = Option<Row>>) {
+    let began = Instant::now();
+    if let Some(row) = scenario.await {
+        eprintln!(
+            "{} on {}: {} in {:.1} s",
+            row.scenario,
+            row.backend.name(),
+            row.result(),
+            began.elapsed().as_secs_f64()
+        );
+        rows.push(row);
+    }
+}
+
 async fn run() -> ExitCode {
     let scale = Scale::from_env();
     let only = std::env::var("IDEM_FAULTS_ONLY").ok();
@@ -131,15 +147,10 @@ async fn run() -> ExitCode {
     let mut rows = Vec::new();
     if only.as_deref() == Some("failover") {
         for synchronous in [true, false] {
-            let began = Instant::now();
-            let row = failover::failover(synchronous).await;
-            eprintln!(
-                "{}: {} in {:.1} s",
-                row.scenario,
-                row.result(),
-                began.elapsed().as_secs_f64()
-            );
-            rows.push(row);
+            timed(&mut rows, async {
+                Some(failover::failover(synchronous).await)
+            })
+            .await;
         }
     } else {
         eprintln!(
@@ -147,15 +158,7 @@ async fn run() -> ExitCode {
         );
     }
     if only.as_deref() == Some("galera") {
-        let began = Instant::now();
-        let row = galera::node_killed().await;
-        eprintln!(
-            "{}: {} in {:.1} s",
-            row.scenario,
-            row.result(),
-            began.elapsed().as_secs_f64()
-        );
-        rows.push(row);
+        timed(&mut rows, async { Some(galera::node_killed().await) }).await;
     } else {
         eprintln!("galera: not run (IDEM_FAULTS_ONLY=galera runs it; needs `bash .ci/galera`)");
     }
@@ -175,17 +178,7 @@ async fn run() -> ExitCode {
             continue;
         }
         for backend in Backend::ALL {
-            let began = Instant::now();
-            if let Some(row) = run_one(scenario, backend, &scale).await {
-                eprintln!(
-                    "{} on {}: {} in {:.1} s",
-                    row.scenario,
-                    backend.name(),
-                    row.result(),
-                    began.elapsed().as_secs_f64()
-                );
-                rows.push(row);
-            }
+            timed(&mut rows, run_one(scenario, backend, &scale)).await;
         }
     }
 

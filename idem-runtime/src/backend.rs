@@ -75,6 +75,9 @@ pub struct Identity<'a> {
     pub path: &'a str,
     /// The request body's `Content-Type`, empty when it had none.
     pub content_type: &'a str,
+    /// The endpoint fingerprints the body's JSON value: its `Content-Type`'s
+    /// `charset` is not compared either (see `crate::media`).
+    pub json_body: bool,
     pub fingerprint: &'a [u8; 32],
     /// SHA-256 of (table, scope, key), computed once: the seed of the backends'
     /// locks and of `wait`'s signal.
@@ -210,11 +213,18 @@ impl Found {
     pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
         self.method == id.method
             && self.path == id.path
-            && self
-                .content_type
-                .as_deref()
-                .is_none_or(|stored| stored == id.content_type)
+            && self.same_content_type(id)
             && self.fingerprint.as_slice() == id.fingerprint.as_slice()
+    }
+
+    /// Whether the stored `Content-Type` is the request's as a media type; a row
+    /// recorded before content types were stored has none and matches any.
+    pub(crate) fn same_content_type(&self, id: &Identity<'_>) -> bool {
+        self.content_type.as_deref().is_none_or(|stored| {
+            stored == id.content_type
+                || crate::media::canonical(stored, id.json_body)
+                    == crate::media::canonical(id.content_type, id.json_body)
+        })
     }
 }
 

@@ -455,7 +455,7 @@ impl<DB: Backend> Idempotency<DB> {
         let key = request.key.as_ref()?;
         let fingerprint = request.fingerprint.as_ref().ok()?;
         options.check().ok()?;
-        let id = self.identity(request, key, fingerprint);
+        let id = self.identity(request, options, key, fingerprint);
         match self.decide(Some(&cache.kept(&id.digest)?.found), &id) {
             Decision::Answer(outcome, response) => Some((outcome, response)),
             Decision::Claim { .. } | Decision::InFlight => None,
@@ -465,6 +465,7 @@ impl<DB: Backend> Idempotency<DB> {
     fn identity<'a>(
         &self,
         request: &'a RequestIdentity,
+        options: Options,
         key: &'a IdempotencyKey,
         fingerprint: &'a [u8; 32],
     ) -> Identity<'a> {
@@ -474,6 +475,7 @@ impl<DB: Backend> Idempotency<DB> {
             method: request.method.as_str(),
             path: &request.path,
             content_type: &request.content_type,
+            json_body: options.fingerprints_json(),
             fingerprint,
             digest: key_digest(&self.inner().table, &request.scope, key.as_str()),
         }
@@ -519,7 +521,7 @@ impl<DB: Backend> Idempotency<DB> {
                 );
             }
         };
-        let id = self.identity(&request, key, fingerprint);
+        let id = self.identity(&request, options, key, fingerprint);
         let signal = signal_of(&id.digest);
         let wait = options.wait_duration();
         // Subscribed before the first look, so an announcement between a look and
@@ -1005,11 +1007,7 @@ impl<DB: Backend> Idempotency<DB> {
                     "this Idempotency-Key was first used for {} {}",
                     found.method, found.path
                 )
-            } else if found
-                .content_type
-                .as_deref()
-                .is_some_and(|stored| stored != id.content_type)
-            {
+            } else if !found.same_content_type(id) {
                 "this Idempotency-Key was first used with a different Content-Type".to_owned()
             } else {
                 "this Idempotency-Key was first used with a different request body".to_owned()
@@ -1270,6 +1268,7 @@ struct HeldKey {
     method: String,
     path: String,
     content_type: String,
+    json_body: bool,
     fingerprint: [u8; 32],
     digest: [u8; 32],
 }
@@ -1282,6 +1281,7 @@ impl HeldKey {
             method: id.method.to_owned(),
             path: id.path.to_owned(),
             content_type: id.content_type.to_owned(),
+            json_body: id.json_body,
             fingerprint: *id.fingerprint,
             digest: id.digest,
         }
@@ -1294,6 +1294,7 @@ impl HeldKey {
             method: &self.method,
             path: &self.path,
             content_type: &self.content_type,
+            json_body: self.json_body,
             fingerprint: &self.fingerprint,
             digest: self.digest,
         }

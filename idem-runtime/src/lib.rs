@@ -17,6 +17,7 @@ mod json;
 mod key;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 mod lease;
+mod media;
 mod metrics;
 #[cfg(any(feature = "aide", feature = "utoipa"))]
 mod openapi;

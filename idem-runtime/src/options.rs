@@ -205,6 +205,11 @@ impl Options {
         }
     }
 
+    /// Whether the body's JSON value is fingerprinted, not its bytes.
+    pub(crate) const fn fingerprints_json(&self) -> bool {
+        self.json.is_some()
+    }
+
     /// Whether an answer with `status` is recorded and replayed: below 500, and
     /// not one of [`release_on`](Self::release_on)'s.
     pub const fn records(&self, status: http::StatusCode) -> bool {

@@ -1448,6 +1448,7 @@ mod tests {
                 method: "POST",
                 path: "/p",
                 content_type: "",
+                json_body: false,
                 fingerprint: &fingerprint,
                 digest: crate::signal::key_digest("idempotency_keys", "s", "k"),
             };

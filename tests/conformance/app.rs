@@ -123,6 +123,9 @@ async fn effect<H: Harness>(
         options = options.wait(Duration::from_millis(n));
     }
     options = options.ttl_header(headers.contains_key("x-ttl-header"));
+    if headers.contains_key("x-json-fingerprint") {
+        options = options.json_fingerprint(&[]);
+    }
     // A pointer without its leading `/`: options `check` refuses.
     if headers.contains_key("x-bad-pointer") {
         options = options.json_fingerprint(&["/sent_at", "sent_at"]);

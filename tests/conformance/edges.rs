@@ -37,6 +37,89 @@ pub async fn content_type_is_part_of_the_identity<H: Harness>() {
     h.finish().await;
 }
 
+/// Contract §2: a retry's `Content-Type` is compared as a media type, on the
+/// store that recorded the key (its replay cache) and on another instance (the
+/// database's row): another spelling of the same type replays, another type or
+/// charset is refused 422, and where the body is JSON its `charset` is no part
+/// of it.
+pub async fn content_types_compare_as_media_types<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let apps = [router(&h), router_on::<H>(h.another_instance())];
+    let typed = |key: &str, content_type: &str| {
+        Req::post("alice", key, BODY).header("content-type", content_type.to_owned())
+    };
+    // (key, first Content-Type, retries that replay, retries refused 422)
+    let cases: [(&str, &str, &[&str], &[&str]); 3] = [
+        (
+            "k-json",
+            "application/json",
+            &[
+                "Application/JSON",
+                "application/json; charset=utf-8",
+                "application/json;charset=\"UTF-8\"",
+            ],
+            &[
+                "application/x-www-form-urlencoded",
+                "application/json; v=2",
+                "",
+            ],
+        ),
+        (
+            "k-text",
+            "text/plain; charset=utf-8; format=flowed",
+            &[
+                "TEXT/Plain; Format=\"flowed\"; charset=UTF-8",
+                "text/plain;format=flowed;charset=utf-8",
+            ],
+            &[
+                "text/plain; charset=latin1; format=flowed",
+                "text/plain; format=flowed",
+            ],
+        ),
+        (
+            "k-problem",
+            "application/problem+json; charset=utf-8",
+            &[
+                "application/problem+json",
+                "APPLICATION/PROBLEM+JSON; CHARSET=utf-16",
+            ],
+            &["application/json"],
+        ),
+    ];
+    for (key, first, same, other) in cases {
+        let recorded = send(&apps[0], &typed(key, first)).await;
+        assert_eq!(recorded.status, 201, "{first}: {}", recorded.text());
+        for app in &apps {
+            for retry in same {
+                let got = send(app, &typed(key, retry)).await;
+                assert_eq!(got.outcome, Some(Outcome::Replayed), "{first} then {retry}");
+                assert_eq!(got.body, recorded.body);
+            }
+            for retry in other {
+                let req = if retry.is_empty() {
+                    Req::post("alice", key, BODY)
+                } else {
+                    typed(key, retry)
+                };
+                let got = send(app, &req).await;
+                assert_eq!(got.status, 422, "{first} then {retry:?}: {}", got.text());
+                assert!(got.text().contains("Content-Type"), "{}", got.text());
+            }
+        }
+    }
+    // Where the endpoint fingerprints JSON, a charset means nothing, on any type.
+    let json = |content_type: &str| typed("k-any", content_type).header("x-json-fingerprint", 1);
+    let recorded = send(&apps[0], &json("text/plain; charset=utf-8")).await;
+    assert_eq!(recorded.status, 201, "{}", recorded.text());
+    for app in &apps {
+        let got = send(app, &json("text/plain; charset=latin1")).await;
+        assert_eq!(got.outcome, Some(Outcome::Replayed), "{}", got.text());
+        assert_eq!(send(app, &json("text/html")).await.status, 422);
+    }
+    assert_eq!(h.effects("alice").await, 4);
+    h.finish().await;
+}
+
 /// A legal request or response is stored whole, never refused by a column: an
 /// extension method of 40 characters, a 6 KiB query, 100 KiB of response headers.
 pub async fn the_table_holds_legal_requests_and_responses<H: Harness>() {

@@ -59,8 +59,9 @@ use cache::{
 };
 use edges::{
     any_legal_scope_and_key_finds_its_own_row, content_type_is_part_of_the_identity,
-    expired_key_duplicates_answer_at_once, inconsistent_options_are_refused,
-    migrate_upgrades_a_table_of_the_previous_release, the_table_holds_legal_requests_and_responses,
+    content_types_compare_as_media_types, expired_key_duplicates_answer_at_once,
+    inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
+    the_table_holds_legal_requests_and_responses,
 };
 use harness::Harness;
 #[cfg(feature = "mysql")]
@@ -1354,6 +1355,7 @@ conformance!(
     storms_over_two_instances_execute_each_key_once,
     storms_across_instances_charge_each_key_once,
     content_type_is_part_of_the_identity,
+    content_types_compare_as_media_types,
     the_table_holds_legal_requests_and_responses,
     any_legal_scope_and_key_finds_its_own_row,
     expired_key_duplicates_answer_at_once,

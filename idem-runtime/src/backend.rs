@@ -79,6 +79,9 @@ pub struct Identity<'a> {
     /// `charset` is not compared either (see `crate::media`).
     pub json_body: bool,
     pub fingerprint: &'a [u8; 32],
+    /// A multipart body's SHA-256 of its bytes, the fingerprint earlier releases
+    /// recorded for it: a row of theirs matches by it.
+    pub bytes_fingerprint: Option<&'a [u8; 32]>,
     /// SHA-256 of (table, scope, key), computed once: the seed of the backends'
     /// locks and of `wait`'s signal.
     pub digest: [u8; 32],
@@ -210,11 +213,31 @@ impl Found {
         }
     }
 
-    pub(crate) fn matches(&self, id: &Identity<'_>) -> bool {
-        self.method == id.method
-            && self.path == id.path
-            && self.same_content_type(id)
-            && self.fingerprint.as_slice() == id.fingerprint.as_slice()
+    /// The first part of the request that differs from the one recorded, if any.
+    pub(crate) fn differs(&self, id: &Identity<'_>) -> Option<Differs> {
+        let (path, query) = split_query(&self.path);
+        let (id_path, id_query) = split_query(id.path);
+        if self.method != id.method {
+            Some(Differs::Method)
+        } else if path != id_path {
+            Some(Differs::Path)
+        } else if query != id_query {
+            Some(Differs::Query)
+        } else if !self.same_content_type(id) {
+            Some(Differs::ContentType)
+        } else if !self.same_body(id) {
+            Some(Differs::Body)
+        } else {
+            None
+        }
+    }
+
+    pub(crate) fn same_body(&self, id: &Identity<'_>) -> bool {
+        let stored = self.fingerprint.as_slice();
+        stored == id.fingerprint.as_slice()
+            || id
+                .bytes_fingerprint
+                .is_some_and(|bytes| stored == bytes.as_slice())
     }
 
     /// Whether the stored `Content-Type` is the request's as a media type; a row
@@ -225,6 +248,37 @@ impl Found {
                 || crate::media::canonical(stored, id.json_body)
                     == crate::media::canonical(id.content_type, id.json_body)
         })
+    }
+}
+
+/// The path, and the query with its `?` (`None`: no `?` at all).
+fn split_query(path: &str) -> (&str, Option<&str>) {
+    match path.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (path, None),
+    }
+}
+
+/// The part of a request in which a key's later use differs from its first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Differs {
+    Method,
+    Path,
+    Query,
+    ContentType,
+    Body,
+}
+
+impl Differs {
+    /// Its name in a problem's `mismatch` member, and in prose.
+    pub(crate) fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Method => ("method", "method"),
+            Self::Path => ("path", "path"),
+            Self::Query => ("query", "query string"),
+            Self::ContentType => ("content-type", "Content-Type"),
+            Self::Body => ("body", "request body"),
+        }
     }
 }
 

@@ -23,6 +23,7 @@ use crate::cache::{Filler, Looked, ReplayCache};
 use crate::json::InvalidJson;
 use crate::key::IdempotencyKey;
 use crate::metrics;
+use crate::multipart::InvalidMultipart;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
@@ -79,9 +80,26 @@ pub struct RequestIdentity {
     method: Method,
     path: String,
     content_type: String,
-    /// `Err` when the endpoint fingerprints JSON and the body is not: refused.
-    fingerprint: Result<[u8; 32], InvalidJson>,
+    /// `Err` when the body cannot be fingerprinted as the endpoint and its
+    /// `Content-Type` say (not JSON, not the multipart body announced): refused.
+    fingerprint: Result<[u8; 32], InvalidBody>,
+    /// The SHA-256 of a multipart body's bytes, which releases before parts were
+    /// compared recorded: a key of theirs matches its retry by it.
+    bytes_fingerprint: Option<[u8; 32]>,
     endpoint: Option<String>,
+}
+
+/// A keyed body that cannot be fingerprinted: refused 400 before anything runs.
+#[derive(Debug, Clone)]
+pub(crate) enum InvalidBody {
+    Json(InvalidJson),
+    Multipart(InvalidMultipart),
+}
+
+impl From<InvalidJson> for InvalidBody {
+    fn from(invalid: InvalidJson) -> Self {
+        Self::Json(invalid)
+    }
 }
 
 impl RequestIdentity {
@@ -116,7 +134,7 @@ impl RequestIdentity {
         scope: impl Into<String>,
         method: &Method,
         uri: &Uri,
-        fingerprint: Result<[u8; 32], InvalidJson>,
+        fingerprint: Result<[u8; 32], InvalidBody>,
     ) -> Self {
         Self::of_parts(key, scope.into(), method.clone(), path_of(uri), fingerprint)
     }
@@ -127,7 +145,7 @@ impl RequestIdentity {
         scope: String,
         method: Method,
         path: String,
-        fingerprint: Result<[u8; 32], InvalidJson>,
+        fingerprint: Result<[u8; 32], InvalidBody>,
     ) -> Self {
         Self {
             key: key.map(|k| k.with_scope(&scope)),
@@ -136,6 +154,7 @@ impl RequestIdentity {
             path,
             content_type: String::new(),
             fingerprint,
+            bytes_fingerprint: None,
             endpoint: None,
         }
     }
@@ -155,6 +174,65 @@ impl RequestIdentity {
     pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = content_type.into();
         self
+    }
+
+    /// Sets the body's `Content-Type` and fingerprints `body` as the endpoint's
+    /// `options` and that type say, as the axum integration does: a multipart body
+    /// by its parts (a client's new boundary for a retry changes nothing), a JSON
+    /// body by its value under [`Options::json_fingerprint`], any other by its
+    /// bytes. A body that is not what its type announces is refused 400
+    /// (`invalid-multipart`, `invalid-json`) when the request is keyed, before
+    /// anything runs.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # extern crate idem_runtime as idem_axum;
+    /// use http::{Method, Uri};
+    /// use idem_axum::{IdempotencyKey, Options, RequestIdentity};
+    ///
+    /// let upload = |boundary: &str| {
+    ///     let body = format!(
+    ///         "--{boundary}\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n100\r\n--{boundary}--"
+    ///     );
+    ///     let key = IdempotencyKey::parse(b"order-42").ok();
+    ///     let uri = Uri::from_static("/payments");
+    ///     RequestIdentity::new(key, "user-7", &Method::POST, &uri, b"").with_body(
+    ///         &Options::new(),
+    ///         format!("multipart/form-data; boundary={boundary}"),
+    ///         body.as_bytes(),
+    ///     )
+    /// };
+    /// // One form, two boundaries: one request.
+    /// assert_eq!(upload("a1").fingerprint(), upload("b2").fingerprint());
+    /// ```
+    #[must_use]
+    pub fn with_body(
+        mut self,
+        options: &Options,
+        content_type: impl Into<String>,
+        body: &[u8],
+    ) -> Self {
+        self.content_type = content_type.into();
+        self.bytes_fingerprint = None;
+        let parts = match options.fingerprints_json() {
+            false => crate::multipart::fingerprint(&self.content_type, body),
+            true => None,
+        };
+        self.fingerprint = match parts {
+            Some(parts) => {
+                self.bytes_fingerprint = Some(fingerprint(body));
+                parts.map_err(InvalidBody::Multipart)
+            }
+            None => options.fingerprint(body).map_err(InvalidBody::Json),
+        };
+        self
+    }
+
+    /// The fingerprint of the body, as the key's later uses must match it;
+    /// `None` when the body could not be fingerprinted.
+    pub fn fingerprint(&self) -> Option<[u8; 32]> {
+        self.fingerprint.as_ref().ok().copied()
     }
 
     /// The body's `Content-Type`, empty when the request had none.
@@ -477,6 +555,7 @@ impl<DB: Backend> Idempotency<DB> {
             content_type: &request.content_type,
             json_body: options.fingerprints_json(),
             fingerprint,
+            bytes_fingerprint: request.bytes_fingerprint.as_ref(),
             digest: key_digest(&self.inner().table, &request.scope, key.as_str()),
         }
     }
@@ -513,11 +592,18 @@ impl<DB: Backend> Idempotency<DB> {
         };
         let fingerprint = match &request.fingerprint {
             Ok(fingerprint) => fingerprint,
-            Err(invalid) => {
+            Err(InvalidBody::Json(invalid)) => {
                 let detail = invalid.to_string();
                 return (
                     Outcome::Refused,
                     self.problem(Problem::InvalidJson, &detail),
+                );
+            }
+            Err(InvalidBody::Multipart(invalid)) => {
+                let detail = invalid.to_string();
+                return (
+                    Outcome::Refused,
+                    self.problem(Problem::InvalidMultipart, &detail),
                 );
             }
         };
@@ -1001,21 +1087,18 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: found.fresh(),
             };
         }
-        if !found.matches(id) {
-            let detail = if found.method != id.method || found.path != id.path {
-                format!(
-                    "this Idempotency-Key was first used for {} {}",
-                    found.method, found.path
-                )
-            } else if !found.same_content_type(id) {
-                "this Idempotency-Key was first used with a different Content-Type".to_owned()
-            } else {
-                "this Idempotency-Key was first used with a different request body".to_owned()
-            };
-            return Decision::Answer(
-                Outcome::Mismatch,
-                self.problem(Problem::PayloadMismatch, &detail),
+        if let Some(differs) = found.differs(id) {
+            // Which part differs, never what the first request held: the key may
+            // be another client's, guessed.
+            let (member, named) = differs.names();
+            let detail =
+                format!("this Idempotency-Key was first used with another {named}; nothing ran");
+            let response = Problem::PayloadMismatch.to_response_with(
+                &self.inner().problem_base,
+                &detail,
+                &[("mismatch", member)],
             );
+            return Decision::Answer(Outcome::Mismatch, response);
         }
         if found.ended() {
             let ended = self.transaction_ended();
@@ -1296,6 +1379,8 @@ impl HeldKey {
             content_type: &self.content_type,
             json_body: self.json_body,
             fingerprint: &self.fingerprint,
+            // A finish compares nothing.
+            bytes_fingerprint: None,
             digest: self.digest,
         }
     }

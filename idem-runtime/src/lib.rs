@@ -19,6 +19,7 @@ mod key;
 mod lease;
 mod media;
 mod metrics;
+mod multipart;
 #[cfg(any(feature = "aide", feature = "utoipa"))]
 mod openapi;
 mod options;

@@ -6,7 +6,6 @@
 //! request".
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 
 /// The form two uses of a key compare their `Content-Type` in: type, subtype and
 /// parameter names in lower case, parameters sorted by name, values unquoted
@@ -32,6 +31,40 @@ pub(crate) fn canonical(raw: &str, json_body: bool) -> Cow<'_, str> {
     // Stable: a name given twice keeps its values' order.
     params.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = parsed.essence;
+    render(&mut out, params);
+    Cow::Owned(out)
+}
+
+/// A multipart media type's boundary: `None` when `raw` is no multipart type,
+/// `Some(None)` when it is one without a boundary.
+pub(crate) fn multipart_boundary(raw: &str) -> Option<Option<Cow<'_, str>>> {
+    let parsed = MediaType::parse(raw)?;
+    parsed.essence.starts_with("multipart/").then(|| {
+        parsed
+            .params
+            .into_iter()
+            .find(|(name, value)| name == "boundary" && !value.is_empty())
+            .map(|(_, value)| value)
+    })
+}
+
+/// A multipart part's `Content-Disposition` (RFC 6266 as RFC 7578 uses it) in one
+/// form: the type and parameter names in lower case, parameters sorted, values
+/// unquoted where quoting changes nothing. `None` when it is not one.
+pub(crate) fn canonical_disposition(raw: &str) -> Option<String> {
+    let bytes = raw.as_bytes();
+    let mut at = 0;
+    skip_ows(bytes, &mut at);
+    let mut out = token(bytes, &mut at)?.to_ascii_lowercase();
+    let mut params = parameters(raw, &mut at)?;
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    render(&mut out, params);
+    Some(out)
+}
+
+/// Writes `;name=value` for each parameter, quoting a value only where a token
+/// cannot carry it.
+fn render(out: &mut String, params: Vec<(String, Cow<'_, str>)>) {
     for (name, value) in params {
         let value = if name == "charset" {
             Cow::Owned(value.to_ascii_lowercase())
@@ -49,12 +82,11 @@ pub(crate) fn canonical(raw: &str, json_body: bool) -> Cow<'_, str> {
                 if c == '"' || c == '\\' {
                     out.push('\\');
                 }
-                let _ = out.write_char(c);
+                out.push(c);
             }
             out.push('"');
         }
     }
-    Cow::Owned(out)
 }
 
 /// One media type, parsed.
@@ -79,37 +111,44 @@ impl<'a> MediaType<'a> {
         essence.push_str(&kind.to_ascii_lowercase());
         essence.push('/');
         essence.push_str(&subtype.to_ascii_lowercase());
-        let mut params = Vec::new();
-        loop {
-            skip_ows(bytes, &mut at);
-            match bytes.get(at) {
-                None => break,
-                Some(b';') => at += 1,
-                Some(_) => return None,
-            }
-            skip_ows(bytes, &mut at);
-            // `;` with no parameter after it is allowed (RFC 9110 §5.6.6).
-            if matches!(bytes.get(at), None | Some(b';')) {
-                continue;
-            }
-            let name = token(bytes, &mut at)?.to_ascii_lowercase();
-            if bytes.get(at) != Some(&b'=') {
-                return None;
-            }
-            at += 1;
-            let value = if bytes.get(at) == Some(&b'"') {
-                quoted(raw, &mut at)?
-            } else {
-                Cow::Borrowed(token(bytes, &mut at)?)
-            };
-            params.push((name, value));
-        }
+        let params = parameters(raw, &mut at)?;
         Some(Self { essence, params })
     }
 
     /// `application/json`, or a structured syntax suffix `+json` (RFC 6839).
     fn is_json(&self) -> bool {
         self.essence == "application/json" || self.essence.ends_with("+json")
+    }
+}
+
+/// `*( OWS ";" OWS [ name "=" value ] )` to the end of `raw`, from `at`: names in
+/// lower case, values unquoted. `None` if anything else is there.
+fn parameters<'a>(raw: &'a str, at: &mut usize) -> Option<Vec<(String, Cow<'a, str>)>> {
+    let bytes = raw.as_bytes();
+    let mut params = Vec::new();
+    loop {
+        skip_ows(bytes, at);
+        match bytes.get(*at) {
+            None => return Some(params),
+            Some(b';') => *at += 1,
+            Some(_) => return None,
+        }
+        skip_ows(bytes, at);
+        // `;` with no parameter after it is allowed (RFC 9110 §5.6.6).
+        if matches!(bytes.get(*at), None | Some(b';')) {
+            continue;
+        }
+        let name = token(bytes, at)?.to_ascii_lowercase();
+        if bytes.get(*at) != Some(&b'=') {
+            return None;
+        }
+        *at += 1;
+        let value = if bytes.get(*at) == Some(&b'"') {
+            quoted(raw, at)?
+        } else {
+            Cow::Borrowed(token(bytes, at)?)
+        };
+        params.push((name, value));
     }
 }
 

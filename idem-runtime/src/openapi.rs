@@ -62,6 +62,12 @@ pub(crate) fn problem_schema() -> Value {
             "title": { "type": "string" },
             "status": { "type": "integer", "minimum": 100, "maximum": 599 },
             "detail": { "type": "string" },
+            "mismatch": {
+                "description": "With 422 `payload-mismatch`: the first part of the request \
+                    that differs from the key's first use (its stored values are never shown).",
+                "type": "string",
+                "enum": ["method", "path", "query", "content-type", "body"],
+            },
         },
     })
 }
@@ -75,9 +81,11 @@ pub(crate) fn problem_responses() -> Vec<(u16, Value)> {
                 Problem::MissingKey,
                 Problem::InvalidKey,
                 Problem::InvalidJson,
+                Problem::InvalidMultipart,
             ],
             "The Idempotency-Key header is missing (where required), malformed or \
-             repeated, or the body is not the JSON the endpoint fingerprints: nothing ran.",
+             repeated, or the body is not the JSON the endpoint fingerprints or the \
+             multipart body its Content-Type announces: nothing ran.",
         ),
         (
             409,
@@ -87,8 +95,9 @@ pub(crate) fn problem_responses() -> Vec<(u16, Value)> {
         (
             422,
             &[Problem::PayloadMismatch],
-            "This key was first used with another method, path, content type or body: \
-             nothing ran, and the first request's record is unchanged.",
+            "This key was first used with another method, path, query, content type or \
+             body (the problem's `mismatch` names which): nothing ran, and the first \
+             request's record is unchanged.",
         ),
         (
             503,

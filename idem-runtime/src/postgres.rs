@@ -1450,6 +1450,7 @@ mod tests {
                 content_type: "",
                 json_body: false,
                 fingerprint: &fingerprint,
+                bytes_fingerprint: None,
                 digest: crate::signal::key_digest("idempotency_keys", "s", "k"),
             };
             let options = Options::new();

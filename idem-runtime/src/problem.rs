@@ -41,6 +41,10 @@ pub enum Problem {
     /// keyed request's body is not one JSON value, or repeats a member name within
     /// an object; nothing was claimed.
     InvalidJson,
+    /// 400: this keyed request's `Content-Type` is a multipart type and its body
+    /// is not the multipart body it announces (no boundary, a part whose headers
+    /// never end, no closing delimiter); nothing was claimed.
+    InvalidMultipart,
     /// 408: the request body did not arrive within the store's
     /// [`body_timeout`](crate::Builder::body_timeout); nothing was claimed.
     RequestTimeout,
@@ -79,7 +83,9 @@ impl Problem {
     /// The HTTP status this problem is answered with.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey | Self::InvalidJson => StatusCode::BAD_REQUEST,
+            Self::MissingKey | Self::InvalidKey | Self::InvalidJson | Self::InvalidMultipart => {
+                StatusCode::BAD_REQUEST
+            }
             Self::InFlight => StatusCode::CONFLICT,
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -103,6 +109,7 @@ impl Problem {
             Self::PayloadMismatch => "payload-mismatch",
             Self::PayloadTooLarge => "payload-too-large",
             Self::InvalidJson => "invalid-json",
+            Self::InvalidMultipart => "invalid-multipart",
             Self::RequestTimeout => "request-timeout",
             Self::LeaseExpired => "lease-expired",
             Self::ResponseTooLarge => "response-too-large",
@@ -123,6 +130,7 @@ impl Problem {
             Self::PayloadMismatch => "Idempotency-Key reused with another request",
             Self::PayloadTooLarge => "Request body too large",
             Self::InvalidJson => "Request body is not JSON",
+            Self::InvalidMultipart => "Request body is not the multipart body announced",
             Self::RequestTimeout => "Request body too slow",
             Self::LeaseExpired => "Request ran past its lock and was rolled back",
             Self::ResponseTooLarge => "Response too large to store",
@@ -156,6 +164,17 @@ impl Problem {
     /// assert!(response.body().starts_with(br#"{"type":"https://api.example.com/problems/missing-key""#));
     /// ```
     pub fn to_response(self, base: &str, detail: &str) -> Response<Bytes> {
+        self.to_response_with(base, detail, &[])
+    }
+
+    /// [`to_response`](Self::to_response) with extension members (RFC 9457 §3.2),
+    /// string-valued, after the standard ones.
+    pub(crate) fn to_response_with(
+        self,
+        base: &str,
+        detail: &str,
+        members: &[(&str, &str)],
+    ) -> Response<Bytes> {
         let mut body = String::with_capacity(160 + detail.len());
         body.push_str("{\"type\":");
         json_string(&mut body, &[base, self.slug()]);
@@ -163,6 +182,12 @@ impl Problem {
         json_string(&mut body, &[self.title()]);
         let _ = write!(body, ",\"status\":{},\"detail\":", self.status().as_u16());
         json_string(&mut body, &[detail]);
+        for (name, value) in members {
+            body.push(',');
+            json_string(&mut body, &[name]);
+            body.push(':');
+            json_string(&mut body, &[value]);
+        }
         body.push('}');
 
         let mut response = Response::new(Bytes::from(body));

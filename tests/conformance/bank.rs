@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::FromRequestParts;
-use axum::extract::{FromRef, FromRequest, Path, Request, State};
+use axum::extract::{FromRef, FromRequest, Multipart, Path, Request, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -294,6 +294,39 @@ async fn note<H: Harness>(tx: &mut BankTx<H>, owner: &str, what: &str) -> Result
         .map(drop)
 }
 
+/// POST /v1/receipts: an upload, read with axum's `Multipart`; one audit row per
+/// execution naming each part (name, filename, size) in order.
+#[idempotent(scope = "user", ttl = "1h", lock = "10s", required = true)]
+async fn receipt<H: Harness>(
+    Extension(user): Extension<User>,
+    mut tx: Tx<H::DB>,
+    mut form: Multipart,
+) -> (StatusCode, String) {
+    let mut parts = Vec::new();
+    loop {
+        match form.next_field().await {
+            Ok(Some(field)) => {
+                let name = field.name().unwrap_or_default().to_owned();
+                let file = field.file_name().unwrap_or_default().to_owned();
+                match field.bytes().await {
+                    Ok(bytes) => parts.push(format!("{name}:{file}:{}", bytes.len())),
+                    Err(error) => return (StatusCode::BAD_REQUEST, error.body_text()),
+                }
+            }
+            Ok(None) => break,
+            Err(error) => return (StatusCode::BAD_REQUEST, error.body_text()),
+        }
+    }
+    let what = format!("receipt {}", parts.join(" "));
+    match note::<H>(&mut tx, &user.0, &what[..what.len().min(255)]).await {
+        Ok(()) => (
+            StatusCode::CREATED,
+            format!(r#"{{"parts":{}}}"#, parts.len()),
+        ),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
 /// POST /v1/gifts: the transaction behind an alias (so the store's database is
 /// named with `db`), the key taken as a plain extractor and relayed per user.
 #[idempotent(scope = "user", db = H::DB, ttl = "1h", lock = "10s")]
@@ -423,6 +456,7 @@ pub fn app_counting<H: Harness>(idempotency: Idempotency<H::DB>) -> (Service, Co
         .route("/two", post(two::<H>))
         .route("/counted", post(counted::<H>))
         .route("/scope-last", post(scope_last::<H>))
+        .route("/receipts", post(receipt::<H>))
         .merge(Router::new().route("/users", post(sign_up::<H>)))
         .merge(charges);
     let v2 = Router::new().nest("/accounts/{acct}", accounts);

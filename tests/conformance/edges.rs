@@ -120,6 +120,44 @@ pub async fn content_types_compare_as_media_types<H: Harness>() {
     h.finish().await;
 }
 
+/// Contract §2: a 422 names the first part of the request that differs from the
+/// key's first use (`mismatch`: method, path, query, content-type, body) and
+/// shows nothing of what that first request held.
+pub async fn mismatches_name_the_part_that_differs<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let app = router(&h);
+    let first = Req::post("alice", "k-parts", BODY)
+        .path("/any?secret=s3cr3t")
+        .header("content-type", "application/json");
+    assert_eq!(send(&app, &first).await.status, 201);
+    let cases = [
+        ("method", first.clone().method(Method::PUT)),
+        ("path", first.clone().path("/effects?secret=s3cr3t")),
+        ("query", first.clone().path("/any?secret=other")),
+        ("query", first.clone().path("/any")),
+        (
+            "content-type",
+            first.clone().header("content-type", "text/plain"),
+        ),
+        (
+            "body",
+            Req::post("alice", "k-parts", "{}")
+                .path("/any?secret=s3cr3t")
+                .header("content-type", "application/json"),
+        ),
+    ];
+    for (part, req) in cases {
+        let got = send(&app, &req).await;
+        assert_eq!(got.status, 422, "{part}: {}", got.text());
+        let problem: serde_json::Value = serde_json::from_slice(&got.body).expect("JSON");
+        assert_eq!(problem["mismatch"], part, "{problem}");
+        assert!(!got.text().contains("s3cr3t"), "{}", got.text());
+        assert!(!got.text().contains("/any"), "{}", got.text());
+    }
+    assert_eq!(h.effects("alice").await, 1);
+    h.finish().await;
+}
+
 /// A legal request or response is stored whole, never refused by a column: an
 /// extension method of 40 characters, a 6 KiB query, 100 KiB of response headers.
 pub async fn the_table_holds_legal_requests_and_responses<H: Harness>() {

@@ -41,6 +41,7 @@ mod operator;
 mod partitions;
 mod realistic;
 mod session;
+mod upload;
 #[cfg(feature = "sqlite")]
 mod writer;
 
@@ -61,7 +62,7 @@ use edges::{
     any_legal_scope_and_key_finds_its_own_row, content_type_is_part_of_the_identity,
     content_types_compare_as_media_types, expired_key_duplicates_answer_at_once,
     inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
-    the_table_holds_legal_requests_and_responses,
+    mismatches_name_the_part_that_differs, the_table_holds_legal_requests_and_responses,
 };
 use harness::Harness;
 #[cfg(feature = "mysql")]
@@ -84,6 +85,7 @@ use session::{
     handler_session_changes_never_reach_idem,
     handlers_that_end_their_own_transaction_never_run_twice,
 };
+use upload::{multipart_keys_of_earlier_releases_still_replay, uploads_are_retried_by_their_parts};
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
@@ -1356,6 +1358,9 @@ conformance!(
     storms_across_instances_charge_each_key_once,
     content_type_is_part_of_the_identity,
     content_types_compare_as_media_types,
+    mismatches_name_the_part_that_differs,
+    uploads_are_retried_by_their_parts,
+    multipart_keys_of_earlier_releases_still_replay,
     the_table_holds_legal_requests_and_responses,
     any_legal_scope_and_key_finds_its_own_row,
     expired_key_duplicates_answer_at_once,

@@ -80,6 +80,18 @@ pub(crate) fn assert_keyed(
         for field in ["type", "title", "status", "detail"] {
             assert!(fields.get(field).is_some(), "{status} {field}: {schema:#}");
         }
+        if status == "422" {
+            // Which part of the request differed: a client can tell what to fix.
+            let mismatch = &fields["mismatch"]["enum"];
+            for part in ["method", "path", "query", "content-type", "body"] {
+                assert!(
+                    mismatch
+                        .as_array()
+                        .is_some_and(|e| e.iter().any(|v| v == part)),
+                    "422 mismatch {part}: {schema:#}"
+                );
+            }
+        }
     }
     for status in ["409", "503"] {
         assert!(

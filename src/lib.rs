@@ -223,7 +223,7 @@
 /// | `required` | refuse requests without a key with 400 `missing-key` | `false` |
 /// | `ttl_header` | recorded responses carry `Idempotency-Key-TTL: <seconds of ttl>`, replayed with them | `false` |
 /// | `release_on` | the 4xx statuses that mean "not executed, try later": answered, rolled back and the key released like a 5xx, never recorded; `[]` records every answer below 500 | `[408, 425, 429]` |
-/// | `fingerprint` | `"json"`: a key's later uses must carry the same JSON value, not the same bytes (member order, whitespace, `1.0` for `1` do not count; RFC 8785's canonical form); a keyed body that is not JSON is 400 `invalid-json`. `"bytes"`: the SHA-256 of the raw body | `"bytes"` |
+/// | `fingerprint` | `"json"`: a key's later uses must carry the same JSON value, not the same bytes (member order, whitespace, `1.0` for `1` do not count; RFC 8785's canonical form); a keyed body that is not JSON is 400 `invalid-json`. `"bytes"`: the SHA-256 of the raw body; a `multipart/*` body's of its parts (names, filenames, content types, bytes), never its boundary | `"bytes"` |
 /// | `ignore` | with `fingerprint = "json"`, JSON Pointers to members left out of the fingerprint, such as a time the client stamps into each send: `["/sent_at", "/meta/trace"]` | none |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
 /// | `crate` | the path your code names this crate by, when `Cargo.toml` renames it (`pay = { package = "idem-axum", … }` → `crate = "pay"`), or a re-export of it (`crate = "my_app::idem"`) | `idem_axum` |

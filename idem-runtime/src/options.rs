@@ -170,8 +170,10 @@ impl Options {
     /// A keyed request whose body is not one JSON value (or repeats a member name
     /// within an object) is answered 400 [`invalid-json`](crate::Problem::InvalidJson),
     /// with nothing claimed. The default fingerprint is the SHA-256 of the raw
-    /// bytes. A pointer that does not start with `/`, or has a `~` not followed by
-    /// `0` or `1`, makes [`check`](Self::check) fail.
+    /// bytes, or, for a `multipart/*` body, of its parts (see
+    /// [`RequestIdentity::with_body`](crate::RequestIdentity::with_body)). A
+    /// pointer that does not start with `/`, or has a `~` not followed by `0` or
+    /// `1`, makes [`check`](Self::check) fail.
     ///
     /// # Examples
     ///

@@ -38,6 +38,13 @@ pub(crate) fn canonical(raw: &str, json_body: bool) -> Cow<'_, str> {
 /// A multipart media type's boundary: `None` when `raw` is no multipart type,
 /// `Some(None)` when it is one without a boundary.
 pub(crate) fn multipart_boundary(raw: &str) -> Option<Option<Cow<'_, str>>> {
+    // Every keyed request asks: most are no multipart type, and need no parse.
+    if !raw
+        .get(..10)
+        .is_some_and(|kind| kind.eq_ignore_ascii_case("multipart/"))
+    {
+        return None;
+    }
     let parsed = MediaType::parse(raw)?;
     parsed.essence.starts_with("multipart/").then(|| {
         parsed

@@ -279,10 +279,11 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
 }
 
 /// The cluster mode records no response that a write set cannot carry: with
-/// `wsrep_max_ws_size` lowered to 3 MiB, a response of 3.5 MiB (which the node
-/// would refuse at the commit: "Maximum writeset size exceeded") is refused
-/// before the commit (500 `response-too-large`), its writes rolled back and the
-/// key released, as the store's own limit is; 1.5 MiB is recorded and replayed.
+/// `wsrep_max_ws_size` lowered to 8 MiB, a response of 4.5 MiB (which the node
+/// would refuse at the commit, "Maximum writeset size exceeded": the write set
+/// carries it twice) is refused before the commit (500 `response-too-large`), its
+/// writes rolled back and the key released, as the store's own limit is; 2 MiB
+/// is recorded and replayed.
 /// A server that is no Galera node (MySQL without wsrep, or MariaDB outside a
 /// cluster) has no such limit: the same response is recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -312,7 +313,7 @@ async fn mysql_cluster_mode_refuses_a_response_its_write_set_cannot_carry() {
     let lowered = match before {
         Some(max) => match sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "SET GLOBAL wsrep_max_ws_size = {}",
-            3 * MIB
+            8 * MIB
         )))
         .execute(h.admin())
         .await
@@ -340,7 +341,7 @@ async fn mysql_cluster_mode_refuses_a_response_its_write_set_cannot_carry() {
         let body = r#"{"amount":100}"#;
         let plain = Options::new();
         let big = work
-            .answer("k-big", body, plain, Handler::Sized(3 * MIB + MIB / 2))
+            .answer("k-big", body, plain, Handler::Sized(4 * MIB + MIB / 2))
             .await;
         let problem = String::from_utf8_lossy(big.body()).into_owned();
         if lowered.is_some() {
@@ -356,7 +357,7 @@ async fn mysql_cluster_mode_refuses_a_response_its_write_set_cannot_carry() {
             assert_eq!(big.status(), StatusCode::CREATED, "{problem}");
         }
         let fits = work
-            .answer("k-fits", body, plain, Handler::Sized(MIB + MIB / 2))
+            .answer("k-fits", body, plain, Handler::Sized(2 * MIB))
             .await;
         assert_eq!(fits.status(), StatusCode::CREATED);
         let replay = work.answer("k-fits", body, plain, Handler::Sized(0)).await;

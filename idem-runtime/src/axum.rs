@@ -200,9 +200,10 @@ impl Seen {
         let keyed = key.is_some();
         let request =
             RequestIdentity::of_parts(key, scope.into(), self.method, self.path, Ok([0; 32]));
-        let mut request = match keyed {
-            true => request.with_body(&options, self.content_type, body),
-            false => request.with_content_type(self.content_type),
+        let mut request = if keyed {
+            request.with_body(&options, self.content_type, body)
+        } else {
+            request.with_content_type(self.content_type)
         };
         if let Some(endpoint) = self.endpoint {
             request = request.with_endpoint(endpoint);

@@ -96,12 +96,6 @@ pub(crate) enum InvalidBody {
     Multipart(InvalidMultipart),
 }
 
-impl From<InvalidJson> for InvalidBody {
-    fn from(invalid: InvalidJson) -> Self {
-        Self::Json(invalid)
-    }
-}
-
 impl RequestIdentity {
     /// Identifies a request; `body` is hashed, not kept.
     pub fn new(
@@ -215,9 +209,11 @@ impl RequestIdentity {
     ) -> Self {
         self.content_type = content_type.into();
         self.bytes_fingerprint = None;
-        let parts = match options.fingerprints_json() {
-            false => crate::multipart::fingerprint(&self.content_type, body),
-            true => None,
+        // Under a JSON fingerprint a multipart body is no JSON, and refused so.
+        let parts = if options.fingerprints_json() {
+            None
+        } else {
+            crate::multipart::fingerprint(&self.content_type, body)
         };
         self.fingerprint = match parts {
             Some(parts) => {

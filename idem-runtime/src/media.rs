@@ -23,20 +23,24 @@ pub(crate) fn canonical(raw: &str, json_body: bool) -> Cow<'_, str> {
     };
     let json = json_body || parsed.is_json();
     let multipart = parsed.essence.starts_with("multipart/");
-    let mut params: Vec<(String, Cow<'_, str>)> = parsed
-        .params
-        .into_iter()
-        .filter(|(name, _)| !(multipart && name == "boundary" || json && name == "charset"))
-        .collect();
-    // Stable: a name given twice keeps its values' order.
-    params.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = parsed.essence;
-    render(&mut out, params);
-    Cow::Owned(out)
+    Cow::Owned(parsed.form(|name| multipart && name == "boundary" || json && name == "charset"))
 }
 
-/// A multipart media type's boundary: `None` when `raw` is no multipart type,
-/// `Some(None)` when it is one without a boundary.
+/// A multipart part's `Content-Type` in one form, as [`canonical`] but keeping
+/// every parameter: the part's bytes are compared as they are, so a nested
+/// boundary or a charset is part of what they mean. `None` (compare it as sent)
+/// when it is not one media type, or escapes a character in a quoted value
+/// (form parsers read those differently).
+pub(crate) fn canonical_part_type(raw: &str) -> Option<String> {
+    if raw.contains('\\') {
+        return None;
+    }
+    Some(MediaType::parse(raw)?.form(|_| false))
+}
+
+/// A multipart media type's boundary: `None` when `raw` is no multipart type
+/// (or one whose boundary is not RFC 2046's), `Some(None)` when it is one
+/// without a boundary.
 pub(crate) fn multipart_boundary(raw: &str) -> Option<Option<Cow<'_, str>>> {
     // Every keyed request asks: most are no multipart type, and need no parse.
     if !raw
@@ -46,27 +50,30 @@ pub(crate) fn multipart_boundary(raw: &str) -> Option<Option<Cow<'_, str>>> {
         return None;
     }
     let parsed = MediaType::parse(raw)?;
-    parsed.essence.starts_with("multipart/").then(|| {
-        parsed
-            .params
-            .into_iter()
-            .find(|(name, value)| name == "boundary" && !value.is_empty())
-            .map(|(_, value)| value)
-    })
+    if !parsed.essence.starts_with("multipart/") {
+        return None;
+    }
+    let boundary = parsed
+        .params
+        .into_iter()
+        .find(|(name, _)| name == "boundary")
+        .map(|(_, value)| value);
+    match boundary {
+        None => Some(None),
+        // What RFC 2046 allows, and nothing a form parser could read otherwise
+        // (an escape in a quoted value): else the body is compared as bytes.
+        Some(value) if is_boundary(&value) && !raw.contains('\\') => Some(Some(value)),
+        Some(_) => None,
+    }
 }
 
-/// A multipart part's `Content-Disposition` (RFC 6266 as RFC 7578 uses it) in one
-/// form: the type and parameter names in lower case, parameters sorted, values
-/// unquoted where quoting changes nothing. `None` when it is not one.
-pub(crate) fn canonical_disposition(raw: &str) -> Option<String> {
-    let bytes = raw.as_bytes();
-    let mut at = 0;
-    skip_ows(bytes, &mut at);
-    let mut out = token(bytes, &mut at)?.to_ascii_lowercase();
-    let mut params = parameters(raw, &mut at)?;
-    params.sort_by(|a, b| a.0.cmp(&b.0));
-    render(&mut out, params);
-    Some(out)
+/// RFC 2046's `boundary`: 1 to 70 `bchars`, not ending in a space.
+fn is_boundary(value: &str) -> bool {
+    (1..=70).contains(&value.len())
+        && !value.ends_with(' ')
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"'()+_,-./:=? ".contains(&b))
 }
 
 /// Writes `;name=value` for each parameter, quoting a value only where a token
@@ -120,6 +127,20 @@ impl<'a> MediaType<'a> {
         essence.push_str(&subtype.to_ascii_lowercase());
         let params = parameters(raw, &mut at)?;
         Some(Self { essence, params })
+    }
+
+    /// `type/subtype;name=value…`, parameters sorted by name (stable: a name
+    /// given twice keeps its values' order), those `dropped` left out.
+    fn form(self, dropped: impl Fn(&str) -> bool) -> String {
+        let mut params: Vec<(String, Cow<'_, str>)> = self
+            .params
+            .into_iter()
+            .filter(|(name, _)| !dropped(name))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut out = self.essence;
+        render(&mut out, params);
+        out
     }
 
     /// `application/json`, or a structured syntax suffix `+json` (RFC 6839).

@@ -48,7 +48,9 @@ impl fmt::Display for InvalidMultipart {
 
 impl std::error::Error for InvalidMultipart {}
 
-/// Domain of the digest: never equal to a SHA-256 of bytes or of JSON.
+/// Domain of the digest. The parts' stream is hashed, then that hash with this
+/// prefix: no body a client can send hashes to a parts digest (which the
+/// fallback to earlier rows' byte digests would otherwise let it match).
 const DOMAIN: &[u8] = b"idem multipart/* parts v1\0";
 
 /// The fingerprint of a multipart body: `None` when `content_type` is no
@@ -73,24 +75,23 @@ fn parts_digest(boundary: &[u8], body: &[u8]) -> Result<[u8; 32], InvalidMultipa
     delimiter.extend_from_slice(b"\r\n--");
     delimiter.extend_from_slice(boundary);
     let finder = memmem::Finder::new(&delimiter);
-    // The first delimiter: at the start, or after a preamble.
-    let mut at = if body.starts_with(&delimiter[2..]) {
-        delimiter.len() - 2
-    } else {
-        match finder.find(body) {
-            Some(found) => found + delimiter.len(),
-            None => return Err(InvalidMultipart::at("no boundary delimiter", 0)),
-        }
+    // The first delimiter wherever it is, as form parsers take it (RFC 2046
+    // wants it at the start or after a CRLF; a parser that finds it elsewhere
+    // would see parts a stricter reading calls preamble).
+    let mut at = match memmem::find(body, &delimiter[2..]) {
+        Some(found) => found + delimiter.len() - 2,
+        None => return Err(InvalidMultipart::at("no boundary delimiter", 0)),
     };
     let mut hash = Sha256::new();
-    hash.update(DOMAIN);
     let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
     loop {
         // After a delimiter: `--` closes the body (what follows is the epilogue);
         // else transport padding, then the line ends and a part begins.
         let rest = &body[at..];
         if rest.starts_with(b"--") {
-            return Ok(hash.finalize().into());
+            let parts: [u8; 32] = hash.finalize().into();
+            let outer = Sha256::new().chain_update(DOMAIN).chain_update(parts);
+            return Ok(outer.finalize().into());
         }
         let padding = rest
             .iter()
@@ -151,6 +152,14 @@ fn part_headers(
         if line.is_empty() {
             return Ok(*at);
         }
+        // A bare CR or LF ends a header line for some parsers and not for
+        // others: refused, as every control byte but a tab.
+        if line.iter().any(|&b| (b < b' ' && b != b'\t') || b == 0x7f) {
+            return Err(InvalidMultipart::at(
+                "a part's header line has a control byte",
+                line_start,
+            ));
+        }
         let Some(colon) = line.iter().position(|&b| b == b':') else {
             return Err(InvalidMultipart::at(
                 "a part's header line has no `:`",
@@ -166,16 +175,30 @@ fn part_headers(
             ));
         }
         let name = String::from_utf8_lossy(name).to_ascii_lowercase();
-        let value = line[colon + 1..].trim_ascii();
-        let value = match (name.as_str(), std::str::from_utf8(value)) {
-            ("content-type", Ok(text)) => tagged(b'm', media::canonical(text, false).as_bytes()),
-            ("content-disposition", Ok(text)) => match media::canonical_disposition(text) {
-                Some(form) => tagged(b'm', form.as_bytes()),
-                None => tagged(b'r', value),
-            },
-            _ => tagged(b'r', value),
+        let value = trim_ows(&line[colon + 1..]);
+        // A part's `Content-Type` in one form (as a media type: `Text/Plain` is
+        // `text/plain`); every other header as sent, `Content-Disposition` too,
+        // since form parsers read its parameters each their own way (the case of
+        // `name`, escapes, a `filename*`): a retry sends the same bytes there.
+        let typed = (name == "content-type")
+            .then(|| std::str::from_utf8(value).ok())
+            .flatten()
+            .and_then(media::canonical_part_type);
+        let value = match typed {
+            Some(form) => tagged(b'm', form.as_bytes()),
+            None => tagged(b'r', value),
         };
         headers.push((name, value));
+    }
+}
+
+/// `bytes` without the spaces and tabs around them (RFC 9110's OWS).
+fn trim_ows(bytes: &[u8]) -> &[u8] {
+    let start = bytes.iter().position(|&b| b != b' ' && b != b'\t');
+    let end = bytes.iter().rposition(|&b| b != b' ' && b != b'\t');
+    match (start, end) {
+        (Some(start), Some(end)) => &bytes[start..=end],
+        _ => &[],
     }
 }
 
@@ -239,9 +262,10 @@ mod tests {
             let (ct, body) = form(boundary, preamble, epilogue, "paid");
             assert_eq!(digest(&ct, &body), first, "{boundary}");
         }
-        // Padding on the delimiter lines, respelled part headers.
-        let padded = b"--b \t\r\ncontent-disposition:form-data;NAME=amount\r\n\r\n100\r\n\
-            --b\r\nCONTENT-DISPOSITION:  form-data; filename=r.txt; name=receipt\r\n\
+        // Padding on the delimiter lines, header names in any case, the part's
+        // media type respelled.
+        let padded = b"--b \t\r\ncontent-disposition:  form-data; name=\"amount\"\r\n\r\n100\r\n\
+            --b\r\nCONTENT-DISPOSITION: form-data; name=\"receipt\"; filename=\"r.txt\"\r\n\
             content-type: Text/Plain\r\n\r\npaid\r\n--b--";
         assert_eq!(digest("multipart/form-data; boundary=\"b\"", padded), first);
     }
@@ -285,6 +309,53 @@ mod tests {
         );
     }
 
+    /// What a form parser reads differently is never one identity.
+    #[test]
+    fn what_parsers_read_apart_stays_apart() {
+        let ct = "multipart/form-data; boundary=b";
+        let form = |preamble: &str, disposition: &str, value: &str| {
+            let body = format!(
+                "{preamble}--b\r\nContent-Disposition: {disposition}\r\n\r\n{value}\r\n--b--"
+            );
+            digest(ct, body.as_bytes())
+        };
+        // A delimiter right after text is the first one: its part counts.
+        let plain = "form-data; name=\"amount\"";
+        assert_ne!(form("x", plain, "100"), form("x", plain, "999"));
+        // The case of a parameter's name, escapes, parameter order.
+        for (a, b) in [
+            (
+                "form-data; Name=\"fee\"; name=\"amount\"",
+                "form-data; name=\"fee\"; Name=\"amount\"",
+            ),
+            ("form-data; name=\"a\\mount\"", "form-data; name=\"amount\""),
+            (
+                "form-data; filename=\"x; name=evil\"; name=\"real\"",
+                "form-data; name=\"real\"; filename=\"x; name=evil\"",
+            ),
+        ] {
+            assert_ne!(form("", a, "1"), form("", b, "1"), "{a} / {b}");
+        }
+        // A part's own parameters all count.
+        let part = |content_type: &str| {
+            let body = format!("--b\r\nContent-Type: {content_type}\r\n\r\n1\r\n--b--");
+            digest(ct, body.as_bytes())
+        };
+        assert_ne!(
+            part("multipart/mixed; boundary=x"),
+            part("multipart/mixed; boundary=y")
+        );
+        assert_ne!(
+            part("application/json; charset=utf-8"),
+            part("application/json")
+        );
+        // A boundary with an escape is compared as bytes, not parts.
+        assert!(fingerprint("multipart/form-data; boundary=\"a\\b\"", b"--a\\b--").is_none());
+        // The parts' digest is no SHA-256 of any body.
+        let body = b"--b\r\nA: 1\r\n\r\n1\r\n--b--";
+        assert_ne!(digest(ct, body), crate::fingerprint(body));
+    }
+
     #[test]
     fn malformed_bodies_are_refused() {
         let ct = "multipart/form-data; boundary=b";
@@ -297,6 +368,8 @@ mod tests {
             b"--b\r\nno colon\r\n\r\n1\r\n--b--",
             b"--b\r\nA: 1\r\n folded\r\n\r\n1\r\n--b--",
             b"--b\nA: 1\n\n1\n--b--",
+            b"--b\r\nA: 1\nB: 2\r\n\r\n1\r\n--b--",
+            b"--b\r\nA: 1\r2\r\n\r\n1\r\n--b--",
         ] {
             assert!(
                 matches!(fingerprint(ct, body), Some(Err(_))),

@@ -88,6 +88,7 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
     let paths = &document["paths"];
     openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, true);
     openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
+    assert_mismatch_named(&document, &paths["/payments"]["post"]);
     openapi::assert_unkeyed(&paths["/payments"]["get"]);
     // The handler's own response and body are still there.
     let created = &paths["/payments"]["post"]["responses"]["201"];
@@ -152,5 +153,22 @@ fn utoipa_documents_keyed_operations_with_one_parameter_and_one_modifier() {
     let paths = &document["paths"];
     openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, false);
     openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
+    assert_mismatch_named(&document, &paths["/payments"]["post"]);
     openapi::assert_unkeyed(&paths["/payments"]["get"]);
+}
+
+/// idem's own problem schema on `operation`'s 422 names the part of the request
+/// that differed (an app's own error schema may say it otherwise).
+fn assert_mismatch_named(document: &serde_json::Value, operation: &serde_json::Value) {
+    let schema = &operation["responses"]["422"]["content"]["application/problem+json"]["schema"];
+    let schema = openapi::resolve(document, schema);
+    let mismatch = &schema["properties"]["mismatch"]["enum"];
+    for part in ["method", "path", "query", "content-type", "body"] {
+        assert!(
+            mismatch
+                .as_array()
+                .is_some_and(|e| e.iter().any(|v| v == part)),
+            "422 mismatch {part}: {schema:#}"
+        );
+    }
 }

@@ -22,6 +22,14 @@
 //! `IDEM_BENCH_GALERA=1` runs idem in its cluster mode (the claim committed before
 //! the handler, as on a Galera cluster) on whichever server `IDEM_TEST_MYSQL_URL`
 //! names, `=0` in its standalone design; unset, as the server says.
+//! `IDEM_BENCH_MYSQL_SECOND_URL` names a second server of the same cluster (a
+//! Galera node; its database part is ignored): every variant then runs two
+//! instances, one through each server, and each connection sends its requests to
+//! them in turn, so that a storm's duplicates of a key reach both at once. The
+//! first instance completes the replays' keys and takes the counted pass (the
+//! second reads each key it replays from the table once); CPU is summed over
+//! both, peak RSS is the larger. `IDEM_BENCH_SHOW_ERRORS=1` prints every 5xx
+//! answer the load gets, with its key and body.
 //!
 //! Every variant serves the same handler (JSON in, one business INSERT in a
 //! transaction, JSON out) from a server process of its own (this binary, re-run
@@ -74,11 +82,15 @@
 //! PostgreSQL, MySQL and Redis, by `ss`, none on SQLite, which runs in the server;
 //! sqlx sends BEGIN alone and its pool checks a connection with a round trip when
 //! it is taken and when it is given back), both counted in a separate short pass,
-//! and for the storms how many keys executed more than once. Then `pgbench`'s rate
+//! and for the storms how many keys executed more than once (the handlers'
+//! executions per key, counted outside the transaction and summed over the
+//! instances, or the business rows written twice, whichever shows more; a key
+//! run again after a 5xx told its client that nothing was committed is counted
+//! apart). Then `pgbench`'s rate
 //! for the bare transaction, as the database's own reference. A Markdown table goes
 //! to stdout, every row as JSON to `target/idem-bench-http.json` (`backend`,
 //! `variant`, `req_s`, `x_bare`, `p50_ms`, `p99_ms`, `keys_run_twice`,
-//! `server_cpu_us`, `database_cpu_us`), and a chart
+//! `keys_rerun_after_5xx`, `server_cpu_us`, `database_cpu_us`), and a chart
 //! of × bare to `target/idem-bench-http.svg`, a variant that ran keys twice drawn
 //! red with its count. Run with no `--bench` argument (as `cargo test --bench http`
 //! does) it takes a short setting, to check that it runs.
@@ -158,7 +170,7 @@ async fn idem<DB: idem_axum::Backend + Shop>(
     mut tx: Tx<DB>,
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
-    shop::provider().await;
+    shop::provider(key.as_str()).await;
     match DB::insert(&mut tx, key.as_str(), &new).await {
         Ok(payment) => (StatusCode::CREATED, axum::Json(payment)).into_response(),
         Err(error) => failed(error),
@@ -846,6 +858,8 @@ async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
         .route("/payments", handler)
         .route("/counting", post(shop::counting))
         .route("/stats", get(shop::stats::<DB>))
+        .route("/executions", get(shop::executions))
+        .layer(axum::middleware::from_fn(shop::note_failures))
         .with_state(app);
     shop::serve(router).await
 }
@@ -966,6 +980,8 @@ struct Settings {
 struct Server {
     child: std::process::Child,
     addr: String,
+    /// The database server's port (a cluster's nodes each have their own).
+    database_port: u16,
 }
 
 impl Drop for Server {
@@ -977,6 +993,19 @@ impl Drop for Server {
 
 impl Server {
     async fn start(variant: &str, target: &Target, url: &str, schema: &str, pool: usize) -> Server {
+        Self::start_counting(variant, target, url, schema, pool, false).await
+    }
+
+    /// As [`Server::start`]; `count_executions` has the handlers count their
+    /// executions per key (`GET /executions`), as the storms need.
+    async fn start_counting(
+        variant: &str,
+        target: &Target,
+        url: &str,
+        schema: &str,
+        pool: usize,
+        count_executions: bool,
+    ) -> Server {
         let exe = if variant == "peer" {
             peer_exe()
         } else {
@@ -989,6 +1018,10 @@ impl Server {
             .env("DATABASE_URL", url)
             .env("SCHEMA", schema)
             .env("POOL", pool.to_string())
+            .env(
+                "IDEM_BENCH_COUNT_EXECUTIONS",
+                if count_executions { "1" } else { "0" },
+            )
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("server process");
@@ -1001,7 +1034,20 @@ impl Server {
             .expect("read")
             .expect("the server exited");
         let addr = first.split("http://").nth(1).expect("address").to_owned();
-        Server { child, addr }
+        // `scheme://user@host:port/database`: the port, if the URL names one.
+        let database_port = url
+            .split_once("://")
+            .map_or("", |(_, rest)| rest)
+            .split('/')
+            .next()
+            .and_then(|authority| authority.rsplit_once(':'))
+            .and_then(|(_, port)| port.parse().ok())
+            .unwrap_or(0);
+        Server {
+            child,
+            addr,
+            database_port,
+        }
     }
 
     /// CPU seconds the process has used (user + system).
@@ -1011,15 +1057,13 @@ impl Server {
         stat_cpu_seconds(stat.rsplit_once(')').map_or("", |(_, rest)| rest))
     }
 
-    /// Data segments the process has sent to PostgreSQL, MySQL and Redis, by the
-    /// kernel's count (`ss`): a client flushes each request whole, so one per round
-    /// trip. SQLite runs in the process: none.
+    /// Data segments the process has sent to its database server and Redis, by
+    /// the kernel's count (`ss`): a client flushes each request whole, so one per
+    /// round trip. SQLite runs in the process: none.
     fn segments_out(&self) -> u64 {
+        let ports = format!("( dport = :{} or dport = :6379 )", self.database_port);
         let Ok(out) = std::process::Command::new("ss")
-            .args([
-                "-tinpH",
-                "( dport = :5432 or dport = :3306 or dport = :6379 )",
-            ])
+            .args(["-tinpH", &ports])
             .output()
         else {
             return 0;
@@ -1157,10 +1201,13 @@ fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String>
     }
 }
 
-/// One variant's load: connections that each send one request at a time to a
-/// server, keyed as `variant` wants, from `warm_until` on counted, until `until`.
+/// One variant's load: connections that each send one request at a time,
+/// keyed as `variant` wants, from `warm_until` on counted, until `until`. With
+/// several servers (instances on the nodes of a cluster), each connection holds
+/// one to each and sends request `n` to server `n` mod their number, so that a
+/// storm's duplicates of a key reach every instance.
 struct Load {
-    addr: String,
+    addrs: Vec<String>,
     run: String,
     variant: &'static str,
     replay_keys: u64,
@@ -1181,13 +1228,17 @@ impl Load {
     ) -> Vec<tokio::task::JoinHandle<Seen>> {
         (0..connections)
             .map(|_| {
-                let (counter, addr, run) =
-                    (Arc::clone(counter), self.addr.clone(), self.run.clone());
+                let (counter, addrs, run) =
+                    (Arc::clone(counter), self.addrs.clone(), self.run.clone());
                 let (variant, replay_keys, cookie) =
                     (self.variant, self.replay_keys, self.cookie.clone());
                 tokio::spawn(async move {
-                    let mut conn = Conn::open(&addr).await;
-                    conn.cookie = cookie;
+                    let mut conns = Vec::with_capacity(addrs.len());
+                    for addr in &addrs {
+                        let mut conn = Conn::open(addr).await;
+                        conn.cookie.clone_from(&cookie);
+                        conns.push(conn);
+                    }
                     let mut latencies = Vec::new();
                     let mut statuses: HashMap<u16, u64> = HashMap::new();
                     loop {
@@ -1197,7 +1248,13 @@ impl Load {
                         }
                         let n = counter.fetch_add(1, Ordering::Relaxed);
                         let key = key_for(&run, variant, n, replay_keys);
-                        let (status, _) = conn.post("/payments", key.as_deref(), BODY).await;
+                        let to = (n % conns.len() as u64) as usize;
+                        let conn = &mut conns[to];
+                        let (status, body) = conn.post("/payments", key.as_deref(), BODY).await;
+                        if status >= 500 && std::env::var_os("IDEM_BENCH_SHOW_ERRORS").is_some() {
+                            let body = String::from_utf8_lossy(&body);
+                            eprintln!("{variant} {key:?}: {status} {body}");
+                        }
                         if started >= warm_until {
                             latencies.push(started.elapsed());
                             *statuses.entry(status).or_default() += 1;
@@ -1241,6 +1298,9 @@ struct Row {
     round_trips: f64,
     statuses: HashMap<u16, u64>,
     doubled: Option<i64>,
+    /// Storm keys run again after a 5xx told their client that nothing was
+    /// committed (on a cluster, a transaction another node's write aborted).
+    rerun: u64,
     /// Requests/s relative to `bare` in the same round.
     ratio: f64,
     /// Served with the replay cache off.
@@ -1314,7 +1374,17 @@ async fn measure(
     // What the last run left the server to do (its dropped database, purge) is not
     // this one's to pay for.
     target.settle().await;
-    let server = Server::start(serves, target, url, schema, settings.connections).await;
+    let storm = variant.ends_with("storm");
+    let start = |url: String| async move {
+        Server::start_counting(serves, target, &url, schema, settings.connections, storm).await
+    };
+    // On a cluster, a second instance through its second server; the first
+    // takes the counted pass, the load goes to both.
+    let mut servers = vec![start(url.to_owned()).await];
+    if let Some(second) = target.second_url(schema) {
+        servers.push(start(second).await);
+    }
+    let server = &servers[0];
     let path = "/payments";
     // One session for all of the peer's clients, as for one user's retries.
     let cookie = if serves == "peer" {
@@ -1366,7 +1436,7 @@ async fn measure(
     let warm_until = Instant::now() + Duration::from_secs(1);
     let until = warm_until + Duration::from_secs(settings.secs);
     let load = Load {
-        addr: server.addr.clone(),
+        addrs: servers.iter().map(|server| server.addr.clone()).collect(),
         run: if variant.contains("-replay") {
             schema.to_owned()
         } else {
@@ -1377,11 +1447,12 @@ async fn measure(
         cookie: cookie.clone(),
     };
     let workers = load.start(settings.connections, &counter, warm_until, until);
+    let cpu_seconds = || servers.iter().map(Server::cpu_seconds).sum::<f64>();
     tokio::time::sleep_until(warm_until.into()).await;
-    let cpu_start = server.cpu_seconds();
+    let cpu_start = cpu_seconds();
     let db_cpu_start = target.database_cpu_seconds();
     tokio::time::sleep_until(until.into()).await;
-    let cpu_used = server.cpu_seconds() - cpu_start;
+    let cpu_used = cpu_seconds() - cpu_start;
     let db_cpu_used = db_cpu_start
         .zip(target.database_cpu_seconds())
         .map(|(start, end)| end - start);
@@ -1389,22 +1460,11 @@ async fn measure(
     all.sort();
     let pick = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1))];
     let requests = all.len() as u64;
-    let doubled = if variant.ends_with("storm") {
-        let mut conn = Conn::open(&server.addr).await;
-        let stats = conn
-            .get("/stats")
-            .await
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        String::from_utf8_lossy(&stats)
-            .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.parse().ok())
+    let (doubled, rerun) = if storm {
+        let (doubled, rerun) = keys_run_twice(&servers).await;
+        (Some(doubled), rerun)
     } else {
-        None
+        (None, 0)
     };
     let (bytes, keys) = target.inspect(schema).await;
     if cold && u64::try_from(keys).unwrap_or(0) > stored {
@@ -1423,24 +1483,97 @@ async fn measure(
         p99: pick(0.99),
         cpu_us: cpu_used * 1e6 / requests.max(1) as f64,
         db_cpu_us: db_cpu_used.map(|used| used * 1e6 / requests.max(1) as f64),
-        rss_mib: server.peak_rss_mib(),
+        rss_mib: servers.iter().map(Server::peak_rss_mib).fold(0.0, f64::max),
         statements,
         round_trips,
         statuses,
         doubled,
+        rerun,
         ratio: 1.0,
         uncached: serves == "idem-uncached",
     };
-    drop(server);
+    drop(servers);
     row
+}
+
+/// Keys a storm ran more than once: by the handlers' executions on every
+/// instance, or by the business rows written twice, whichever shows more; and
+/// apart, keys run again only after a 5xx (nothing committed, retry: a
+/// transaction another node's write aborted, on a cluster), each execution
+/// after the first begun after a 5xx for the key that followed the one before.
+async fn keys_run_twice(servers: &[Server]) -> (i64, u64) {
+    async fn text(addr: &str, path: &str) -> String {
+        let response = Conn::open(addr).await.get(path).await;
+        let body = response.into_body().collect().await.expect("body");
+        String::from_utf8_lossy(&body.to_bytes()).into_owned()
+    }
+    // Per key, (µs, ran) for every execution (`true`) and 5xx answer.
+    let mut events: HashMap<String, Vec<(u128, bool)>> = HashMap::new();
+    for server in servers {
+        for line in text(&server.addr, "/executions").await.lines() {
+            let mut fields = line.split(' ');
+            let (Some(event), Some(key), Some(Ok(at))) =
+                (fields.next(), fields.next(), fields.next().map(str::parse))
+            else {
+                continue;
+            };
+            events
+                .entry(key.to_owned())
+                .or_default()
+                .push((at, event == "ran"));
+        }
+    }
+    let (mut twice, mut rerun) = (0, 0);
+    for events in events.values_mut() {
+        events.sort_unstable();
+        let runs = events.iter().filter(|(_, ran)| *ran).count();
+        if runs < 2 {
+            continue;
+        }
+        // Between two executions, a 5xx must have been answered.
+        let mut failed_since_run = true;
+        let mut clean = true;
+        for &(_, ran) in events.iter().skip_while(|(_, ran)| !ran) {
+            if ran {
+                clean &= failed_since_run;
+                failed_since_run = false;
+            } else {
+                failed_since_run = true;
+            }
+        }
+        if clean {
+            rerun += 1;
+        } else {
+            twice += 1;
+        }
+    }
+    // One database behind every instance: any of them counts its rows.
+    let rows_twice: i64 = text(&servers[0].addr, "/stats")
+        .await
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    (rows_twice.max(twice), rerun)
 }
 
 /// A database the bench runs on, and how it gives each run one of its own: a
 /// schema on PostgreSQL, a database on MySQL/MariaDB, a file on SQLite.
 enum Target {
-    Postgres { url: String, admin: PgPool },
-    MySql { url: String, admin: MySqlPool },
-    Sqlite { dir: std::path::PathBuf },
+    Postgres {
+        url: String,
+        admin: PgPool,
+    },
+    /// `second`: a second server of the same cluster (`IDEM_BENCH_MYSQL_SECOND_URL`),
+    /// where every variant gets a second instance.
+    MySql {
+        url: String,
+        admin: MySqlPool,
+        second: Option<String>,
+    },
+    Sqlite {
+        dir: std::path::PathBuf,
+    },
 }
 
 impl Target {
@@ -1519,7 +1652,8 @@ impl Target {
                     .connect(&url)
                     .await
                     .map_err(|e| format!("MySQL not reachable at {url}: {e}"))?;
-                Ok(Self::MySql { url, admin })
+                let second = std::env::var("IDEM_BENCH_MYSQL_SECOND_URL").ok();
+                Ok(Self::MySql { url, admin, second })
             }
             "sqlite" => Ok(Self::Sqlite {
                 dir: std::env::temp_dir(),
@@ -1549,7 +1683,7 @@ impl Target {
                 }
                 url.clone()
             }
-            Self::MySql { url, admin } => {
+            Self::MySql { url, admin, .. } => {
                 assert_eq!(stored, 0, "stored keys are prefilled on PostgreSQL only");
                 sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {schema}")))
                     .execute(admin)
@@ -1619,6 +1753,21 @@ impl Target {
                     .expect("vacuum");
             }
         }
+    }
+
+    /// The run's database through the cluster's second server, when there is one.
+    fn second_url(&self, schema: &str) -> Option<String> {
+        let Self::MySql {
+            second: Some(second),
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let server = second
+            .rsplit_once('/')
+            .map_or(second.as_str(), |(server, _)| server);
+        Some(format!("{server}/{schema}"))
     }
 
     /// The key table's size in bytes with its indexes (not on SQLite), and its rows.
@@ -1856,6 +2005,7 @@ fn json(backend: &str, rows: &[Row]) -> String {
                 "p50_ms": (row.p50.as_secs_f64() * 1e5).round() / 100.0,
                 "p99_ms": (row.p99.as_secs_f64() * 1e5).round() / 100.0,
                 "keys_run_twice": row.doubled,
+                "keys_rerun_after_5xx": row.doubled.map(|_| row.rerun),
                 "server_cpu_us": row.cpu_us.round(),
                 "database_cpu_us": row.db_cpu_us.map(f64::round),
             })
@@ -2084,7 +2234,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
             .iter()
             .map(|(variant, schema, server)| {
                 let load = Load {
-                    addr: server.addr.clone(),
+                    addrs: vec![server.addr.clone()],
                     run: schema.clone(),
                     variant,
                     replay_keys: 0,
@@ -2465,7 +2615,11 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
             row.statements,
             round_trips,
             answers,
-            row.doubled.map_or("-".to_owned(), |d| d.to_string()),
+            match (row.doubled, row.rerun) {
+                (None, _) => "-".to_owned(),
+                (Some(d), 0) => d.to_string(),
+                (Some(d), rerun) => format!("{d} (+{rerun} after a 5xx)"),
+            },
         );
     }
     let rate = |variant: &str| {

@@ -3,6 +3,7 @@
 //! statement counter, the duplicate count, and PostgreSQL's pool from the
 //! environment. The HTTP bench adds the other backends' [`Shop`]s.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Router;
@@ -88,9 +89,23 @@ pub(crate) fn failed(error: sqlx::Error) -> Response {
     (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
 }
 
-/// What a handler waits for before its write (a provider's answer): the
-/// milliseconds in `IDEM_BENCH_HANDLER_WAIT_MS`, none by default.
-pub(crate) async fn provider() {
+/// Per key, when the bench asks (`IDEM_BENCH_COUNT_EXECUTIONS=1`, for the
+/// storms): the handler's executions, counted outside any transaction as a
+/// provider would count its charges (a rolled-back second execution shows here,
+/// not in the table), and the 5xx answers, each with the wall clock's time in
+/// microseconds (the instances of a cluster run on this one machine).
+static EXECUTIONS: std::sync::LazyLock<Option<std::sync::Mutex<HashMap<String, Events>>>> =
+    std::sync::LazyLock::new(|| {
+        std::env::var("IDEM_BENCH_COUNT_EXECUTIONS")
+            .is_ok_and(|on| on == "1")
+            .then(Default::default)
+    });
+
+/// What a handler does before its write: the provider's charge for `key`,
+/// counted when asked, and its answer's wait, the milliseconds in
+/// `IDEM_BENCH_HANDLER_WAIT_MS` (none by default).
+pub(crate) async fn provider(key: &str) {
+    note(key, Event::Ran);
     static WAIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let ms = *WAIT.get_or_init(|| {
         std::env::var("IDEM_BENCH_HANDLER_WAIT_MS")
@@ -110,9 +125,10 @@ pub(crate) async fn pay<DB: Shop>(
     axum::Json(new): axum::Json<NewPayment>,
 ) -> Response {
     let run = async {
-        provider().await;
+        let key = key_of(&headers);
+        provider(&key).await;
         let mut tx = pool.begin().await?;
-        let payment = DB::insert(&mut tx, &key_of(&headers), &new).await?;
+        let payment = DB::insert(&mut tx, &key, &new).await?;
         tx.commit().await?;
         Ok::<_, sqlx::Error>(payment)
     };
@@ -181,6 +197,65 @@ pub(crate) async fn stats<DB: Shop>(State(pool): State<Pool<DB>>) -> Response {
         Ok((rows, doubled)) => format!("{rows} {doubled}").into_response(),
         Err(error) => failed(error),
     }
+}
+
+#[derive(Clone, Copy)]
+enum Event {
+    Ran,
+    Failed,
+}
+
+type Events = Vec<(Event, u128)>;
+
+fn note(key: &str, event: Event) {
+    let Some(executions) = &*EXECUTIONS else {
+        return;
+    };
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros());
+    let mut executions = executions
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    executions
+        .entry(key.to_owned())
+        .or_default()
+        .push((event, at));
+}
+
+/// Notes the key of every 5xx answer (a middleware, outermost).
+pub(crate) async fn note_failures(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let key = key_of(request.headers());
+    let response = next.run(request).await;
+    if response.status().is_server_error() {
+        note(&key, Event::Failed);
+    }
+    response
+}
+
+/// `ran <key> <µs>` and `failed <key> <µs>` lines, for every key this process's
+/// handlers ran or answered 5xx (`GET /executions`); empty unless counting.
+pub(crate) async fn executions() -> String {
+    let Some(executions) = &*EXECUTIONS else {
+        return String::new();
+    };
+    let executions = executions
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut lines = String::new();
+    for (key, events) in executions.iter() {
+        for (event, at) in events {
+            let event = match event {
+                Event::Ran => "ran",
+                Event::Failed => "failed",
+            };
+            lines.push_str(&format!("{event} {key} {at}\n"));
+        }
+    }
+    lines
 }
 
 /// The pool the bench asked for (`DATABASE_URL`, `SCHEMA`, `POOL`), with the

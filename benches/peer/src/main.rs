@@ -68,6 +68,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .layer(CookieManagerLayer::new())
         .route("/counting", post(shop::counting))
         .route("/stats", get(shop::stats::<Postgres>))
+        .route("/executions", get(shop::executions))
+        .layer(axum::middleware::from_fn(shop::note_failures))
         .with_state(pool);
     shop::serve(router).await
 }

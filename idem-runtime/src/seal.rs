@@ -2,33 +2,42 @@
 //!
 //! Every key of a ring is expanded with HKDF-SHA-256 into three values that
 //! never serve two purposes: its id (8 bytes, stored beside what it sealed, so a
-//! record names the key that opens it without revealing it), the
-//! XChaCha20-Poly1305 key that seals responses, and the HMAC-SHA-256 key that
-//! keys fingerprints. XChaCha20-Poly1305 rather than AES-256-GCM: its 192-bit
-//! nonce may be drawn at random for every record with no bound worth counting,
-//! where AES-GCM's 96-bit random nonces allow about 2^32 records per key.
+//! record names the key that opens it; it tells nothing of the key, but two
+//! deployments that share a key share its id), the XChaCha20-Poly1305 key that
+//! seals responses, and the HMAC-SHA-256 key that keys fingerprints.
+//! XChaCha20-Poly1305 rather than AES-256-GCM: its 192-bit nonce may be drawn at
+//! random for every record with no bound worth counting, where AES-GCM's 96-bit
+//! random nonces allow about 2^32 records per key.
 //!
 //! A sealed record is `version ‖ key id ‖ nonce ‖ ciphertext ‖ tag`, over
-//! `status ‖ headers' length ‖ headers ‖ body`; its associated data is the
-//! record's identity (scope, key, method, path, each length-prefixed), so a row
-//! copied to another scope or key does not open.
+//! `status ‖ headers' length ‖ headers ‖ body`. Its associated data is the
+//! version, the key id and the record's identity (scope, key, method, path, each
+//! length-prefixed), so a row copied to another scope or key does not open.
+//!
+//! A keyed fingerprint is HMAC-SHA-256 of the request's unkeyed digest (SHA-256
+//! of the body, or of its canonical form): a retry matches under an older key
+//! from the digest alone, and the unkeyed digest is never stored.
 // Not yet called by the stores, which take a ring in the next step.
 #![cfg_attr(not(test), expect(dead_code))]
 
 use std::fmt;
 
-use chacha20poly1305::aead::{Aead as _, KeyInit as _, Payload};
-use chacha20poly1305::{XChaCha20Poly1305, XNonce};
+use chacha20poly1305::aead::AeadInOut as _;
+use chacha20poly1305::{KeyInit as _, Tag, XChaCha20Poly1305, XNonce};
 use hmac::{Hmac, Mac as _};
 use sha2::Sha256;
+use zeroize::Zeroizing;
 
 /// The first byte of every sealed record: the envelope's format.
 const VERSION: u8 = 1;
 const ID_LEN: usize = 8;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
-/// HKDF's salt: the ring's keys are used by idem alone, for these purposes.
-const SALT: &[u8] = b"idem key ring v1";
+const HEAD_LEN: usize = 1 + ID_LEN + NONCE_LEN;
+/// HKDF's salts: the ring's keys are used by idem alone, and a raw key and a
+/// secret of the same bytes are two keys.
+const KEY_SALT: &[u8] = b"idem key ring v1: key";
+const SECRET_SALT: &[u8] = b"idem key ring v1: secret";
 
 /// The id of a key of a ring: derived from the key, stored beside the records
 /// it sealed and the fingerprints it keyed.
@@ -40,10 +49,19 @@ impl KeyId {
     pub fn as_bytes(&self) -> &[u8; ID_LEN] {
         &self.0
     }
+}
 
-    /// The id from its stored bytes, if they are an id's length.
-    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        bytes.try_into().ok().map(Self)
+impl From<[u8; ID_LEN]> for KeyId {
+    fn from(bytes: [u8; ID_LEN]) -> Self {
+        Self(bytes)
+    }
+}
+
+impl TryFrom<&[u8]> for KeyId {
+    type Error = std::array::TryFromSliceError;
+
+    fn try_from(bytes: &[u8]) -> Result<Self, Self::Error> {
+        bytes.try_into().map(Self)
     }
 }
 
@@ -62,6 +80,8 @@ impl fmt::Debug for KeyId {
     }
 }
 
+/// One key of a ring, expanded. The cipher and the HMAC state clear their keys
+/// when dropped (the crates' `zeroize` features).
 struct RingKey {
     id: KeyId,
     cipher: XChaCha20Poly1305,
@@ -69,29 +89,26 @@ struct RingKey {
 }
 
 impl RingKey {
-    fn derive(material: &[u8]) -> Self {
-        let hkdf = hkdf::Hkdf::<Sha256>::new(Some(SALT), material);
+    fn derive(salt: &[u8], material: &[u8]) -> Self {
+        let hkdf = hkdf::Hkdf::<Sha256>::new(Some(salt), material);
         let mut id = [0; ID_LEN];
-        let mut seal = [0; 32];
-        let mut fingerprint = [0; 32];
-        // Lengths far below HKDF's limit of 255 blocks: expansion cannot fail.
+        let mut seal = Zeroizing::new([0; 32]);
+        let mut fingerprint = Zeroizing::new([0; 32]);
         for (info, out) in [
             (&b"key id"[..], &mut id[..]),
             (b"response sealing", &mut seal[..]),
             (b"fingerprint keying", &mut fingerprint[..]),
         ] {
-            let expanded = hkdf.expand(info, out);
-            debug_assert!(expanded.is_ok());
+            hkdf.expand(info, out)
+                .unwrap_or_else(|_| unreachable!("HKDF expands up to 8160 bytes"));
         }
-        let key = Self {
+        Self {
             id: KeyId(id),
-            cipher: XChaCha20Poly1305::new(&seal.into()),
-            fingerprints: <Hmac<Sha256>>::new_from_slice(&fingerprint)
+            cipher: XChaCha20Poly1305::new_from_slice(&seal[..])
+                .unwrap_or_else(|_| unreachable!("the key is 32 bytes")),
+            fingerprints: <Hmac<Sha256>>::new_from_slice(&fingerprint[..])
                 .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length")),
-        };
-        seal.fill(0);
-        fingerprint.fill(0);
-        key
+        }
     }
 }
 
@@ -100,13 +117,14 @@ impl RingKey {
 /// what it wrote before.
 ///
 /// Keys come from the application (a secret store, the environment): raw
-/// 32-byte keys, or secrets of at least 32 bytes that HKDF expands. A ring never
-/// prints its keys, only their ids.
+/// 32-byte keys from a cryptographic generator, in bytes or in base64. A ring
+/// never prints its keys, only their ids.
 ///
 /// ```
 /// use idem_runtime::KeyRing;
 ///
-/// // `openssl rand -base64 32`, newest first, separated by commas.
+/// // Example keys only: make your own with `openssl rand -base64 32`.
+/// // Newest first, separated by commas.
 /// let ring = KeyRing::from_base64(
 ///     "3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=,AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=",
 /// )?;
@@ -120,9 +138,8 @@ pub struct KeyRing {
 
 impl fmt::Debug for KeyRing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list()
-            .entries(self.keys.iter().map(|key| key.id))
-            .finish()
+        let ids: Vec<KeyId> = self.ids().collect();
+        f.debug_struct("KeyRing").field("ids", &ids).finish()
     }
 }
 
@@ -157,11 +174,13 @@ impl KeyRing {
     pub fn from_keys<'k>(
         keys: impl IntoIterator<Item = &'k [u8; 32]>,
     ) -> Result<Self, KeyRingError> {
-        Self::build(keys.into_iter().map(|key| &key[..]))
+        Self::build(keys.into_iter().map(|key| RingKey::derive(KEY_SALT, key)))
     }
 
-    /// A ring of secrets (passphrases, or keys in a text form of their own),
-    /// newest first, each expanded with HKDF-SHA-256.
+    /// A ring of secrets that a secret store hands out as text, newest first,
+    /// each expanded with HKDF-SHA-256. HKDF does not slow down guessing: a
+    /// secret must hold at least 256 bits of randomness (not a passphrase), and
+    /// the same bytes given to [`KeyRing::from_keys`] are another key.
     ///
     /// # Errors
     /// An empty list, a secret shorter than 32 bytes, one that begins or ends
@@ -185,7 +204,11 @@ impl KeyRing {
                 )));
             }
         }
-        Self::build(secrets.into_iter().map(str::as_bytes))
+        Self::build(
+            secrets
+                .into_iter()
+                .map(|secret| RingKey::derive(SECRET_SALT, secret.as_bytes())),
+        )
     }
 
     /// A ring from its text form: raw 32-byte keys in standard base64 (with its
@@ -205,16 +228,17 @@ impl KeyRing {
             .split(',')
             .enumerate()
             .map(|(n, entry)| {
-                decode_key(entry).ok_or_else(|| {
+                let key = decode_key(entry).ok_or_else(|| {
                     KeyRingError::new(format!("key {} is not standard base64 of 32 bytes", n + 1))
-                })
+                })?;
+                Ok(RingKey::derive(KEY_SALT, &key[..]))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Self::from_keys(&keys)
+        Self::build(keys.into_iter())
     }
 
-    fn build<'m>(materials: impl Iterator<Item = &'m [u8]>) -> Result<Self, KeyRingError> {
-        let keys: Vec<RingKey> = materials.map(RingKey::derive).collect();
+    fn build(keys: impl Iterator<Item = RingKey>) -> Result<Self, KeyRingError> {
+        let keys: Vec<RingKey> = keys.collect();
         if keys.is_empty() {
             return Err(KeyRingError::new("it holds no key"));
         }
@@ -252,43 +276,44 @@ impl KeyRing {
     /// Seals a response for the record of `identity` under the newest key.
     ///
     /// # Errors
-    /// The operating system gave no random nonce: nothing may be sealed then.
+    /// The operating system gave no random nonce, or the headers pass 4 GiB.
     pub(crate) fn seal(
         &self,
         identity: &Sealed<'_>,
         status: u16,
         headers: &[u8],
         body: &[u8],
-    ) -> Result<Vec<u8>, getrandom::Error> {
-        let key = self.newest();
+    ) -> Result<Vec<u8>, SealError> {
         let mut nonce = [0; NONCE_LEN];
-        getrandom::fill(&mut nonce)?;
-        let mut plain = Vec::with_capacity(6 + headers.len() + body.len());
-        plain.extend_from_slice(&status.to_be_bytes());
-        plain.extend_from_slice(
-            &u32::try_from(headers.len())
-                .unwrap_or(u32::MAX)
-                .to_be_bytes(),
-        );
-        plain.extend_from_slice(headers);
-        plain.extend_from_slice(body);
-        let aad = identity.associated_data();
-        let sealed = key
-            .cipher
-            .encrypt(
-                &XNonce::from(nonce),
-                Payload {
-                    msg: &plain,
-                    aad: &aad,
-                },
-            )
-            .unwrap_or_else(|_| unreachable!("XChaCha20-Poly1305 seals up to 256 GiB"));
-        plain.fill(0);
-        let mut out = Vec::with_capacity(1 + ID_LEN + NONCE_LEN + sealed.len());
+        getrandom::fill(&mut nonce).map_err(SealError::Random)?;
+        self.seal_with_nonce(identity, nonce, status, headers, body)
+    }
+
+    fn seal_with_nonce(
+        &self,
+        identity: &Sealed<'_>,
+        nonce: [u8; NONCE_LEN],
+        status: u16,
+        headers: &[u8],
+        body: &[u8],
+    ) -> Result<Vec<u8>, SealError> {
+        let key = self.newest();
+        let headers_len = u32::try_from(headers.len()).map_err(|_| SealError::TooLarge)?;
+        // Sealed in place: the body is copied once, into the record.
+        let mut out = Vec::with_capacity(HEAD_LEN + 6 + headers.len() + body.len() + TAG_LEN);
         out.push(VERSION);
         out.extend_from_slice(&key.id.0);
         out.extend_from_slice(&nonce);
-        out.extend_from_slice(&sealed);
+        out.extend_from_slice(&status.to_be_bytes());
+        out.extend_from_slice(&headers_len.to_be_bytes());
+        out.extend_from_slice(headers);
+        out.extend_from_slice(body);
+        let aad = identity.associated_data(key.id);
+        let tag = key
+            .cipher
+            .encrypt_inout_detached(&XNonce::from(nonce), &aad, (&mut out[HEAD_LEN..]).into())
+            .map_err(|_| SealError::TooLarge)?;
+        out.extend_from_slice(&tag);
         Ok(out)
     }
 
@@ -298,19 +323,15 @@ impl KeyRing {
         identity: &Sealed<'_>,
         sealed: &[u8],
     ) -> Result<OpenedResponse, Unsealable> {
-        let (id, nonce, ciphertext) = split(sealed).ok_or(Unsealable::Malformed)?;
-        let nonce = XNonce::try_from(nonce).map_err(|_| Unsealable::Malformed)?;
+        let parts = split(sealed).ok_or(Unsealable::Malformed)?;
+        let id = parts.id;
         let key = self.key(id).ok_or(Unsealable::UnknownKey(id))?;
-        let aad = identity.associated_data();
-        let plain = key
-            .cipher
-            .decrypt(
-                &nonce,
-                Payload {
-                    msg: ciphertext,
-                    aad: &aad,
-                },
-            )
+        let nonce = XNonce::try_from(parts.nonce).map_err(|_| Unsealable::Malformed)?;
+        let tag = Tag::try_from(parts.tag).map_err(|_| Unsealable::Malformed)?;
+        let aad = identity.associated_data(id);
+        let mut plain = parts.ciphertext.to_vec();
+        key.cipher
+            .decrypt_inout_detached(&nonce, &aad, plain.as_mut_slice().into(), &tag)
             .map_err(|_| Unsealable::Tampered(id))?;
         OpenedResponse::parse(plain).ok_or(Unsealable::Tampered(id))
     }
@@ -335,20 +356,53 @@ fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
     mac.finalize().into_bytes().into()
 }
 
-/// A sealed record's parts: its key id, its nonce, its ciphertext with the tag.
-fn split(sealed: &[u8]) -> Option<(KeyId, &[u8], &[u8])> {
+/// Why a response was not sealed (and so not recorded).
+#[derive(Debug)]
+pub(crate) enum SealError {
+    /// The operating system's random generator failed.
+    Random(getrandom::Error),
+    /// Headers over 4 GiB, or a record over the cipher's 256 GiB.
+    TooLarge,
+}
+
+impl fmt::Display for SealError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Random(error) => write!(f, "no random nonce to seal with: {error}"),
+            Self::TooLarge => f.write_str("the response is too large to seal"),
+        }
+    }
+}
+
+impl std::error::Error for SealError {}
+
+/// A sealed record's parts.
+struct Parts<'a> {
+    id: KeyId,
+    nonce: &'a [u8],
+    ciphertext: &'a [u8],
+    tag: &'a [u8],
+}
+
+fn split(sealed: &[u8]) -> Option<Parts<'_>> {
     let (&version, rest) = sealed.split_first()?;
     if version != VERSION || rest.len() < ID_LEN + NONCE_LEN + TAG_LEN {
         return None;
     }
     let (id, rest) = rest.split_at(ID_LEN);
-    let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
-    Some((KeyId::from_bytes(id)?, nonce, ciphertext))
+    let (nonce, rest) = rest.split_at(NONCE_LEN);
+    let (ciphertext, tag) = rest.split_at(rest.len() - TAG_LEN);
+    Some(Parts {
+        id: KeyId::try_from(id).ok()?,
+        nonce,
+        ciphertext,
+        tag,
+    })
 }
 
 /// The key id a sealed record names, if it is one.
 pub(crate) fn sealed_by(sealed: &[u8]) -> Option<KeyId> {
-    split(sealed).map(|(id, _, _)| id)
+    split(sealed).map(|parts| parts.id)
 }
 
 /// What binds a sealed record to its row: the record opens only as the
@@ -361,12 +415,17 @@ pub(crate) struct Sealed<'a> {
 }
 
 impl Sealed<'_> {
-    fn associated_data(&self) -> Vec<u8> {
+    fn associated_data(&self, id: KeyId) -> Vec<u8> {
         let parts = [self.scope, self.key, self.method, self.path];
-        let mut aad = Vec::with_capacity(32 + parts.iter().map(|p| 4 + p.len()).sum::<usize>());
-        aad.extend_from_slice(b"idem sealed response v1");
+        let label = b"idem sealed response";
+        let mut aad = Vec::with_capacity(
+            label.len() + 1 + ID_LEN + parts.iter().map(|p| 8 + p.len()).sum::<usize>(),
+        );
+        aad.extend_from_slice(label);
+        aad.push(VERSION);
+        aad.extend_from_slice(&id.0);
         for part in parts {
-            aad.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
+            aad.extend_from_slice(&(part.len() as u64).to_be_bytes());
             aad.extend_from_slice(part.as_bytes());
         }
         aad
@@ -387,11 +446,11 @@ impl OpenedResponse {
         let headers_len = u32::from_be_bytes(plain.get(2..6)?.try_into().ok()?);
         let headers_end = 6usize.checked_add(usize::try_from(headers_len).ok()?)?;
         let headers = plain.get(6..headers_end)?.to_vec();
-        let body = plain.split_off(headers_end);
+        plain.drain(..headers_end);
         Some(Self {
             status,
             headers,
-            body,
+            body: plain,
         })
     }
 }
@@ -409,42 +468,40 @@ pub(crate) enum Unsealable {
 
 /// Standard base64 of exactly 32 bytes, padded, canonical (44 characters, the
 /// last `=`, the unused low bits of the last symbol zero).
-fn decode_key(text: &str) -> Option<[u8; 32]> {
+fn decode_key(text: &str) -> Option<Zeroizing<[u8; 32]>> {
     fn value(symbol: u8) -> Option<u32> {
-        Some(match symbol {
+        Some(u32::from(match symbol {
             b'A'..=b'Z' => symbol - b'A',
             b'a'..=b'z' => symbol - b'a' + 26,
             b'0'..=b'9' => symbol - b'0' + 52,
             b'+' => 62,
             b'/' => 63,
             _ => return None,
-        } as u32)
+        }))
     }
-    let text = text.as_bytes();
-    let (symbols, padding) = text.split_at_checked(43)?;
+    let (symbols, padding) = text.as_bytes().split_at_checked(43)?;
     if padding != b"=" {
         return None;
     }
-    let mut out = [0; 32];
-    let mut written = 0;
-    for chunk in symbols.chunks(4) {
+    let mut out = Zeroizing::new([0; 32]);
+    // Ten groups of 4 symbols (3 bytes each), then 3 symbols: 18 bits, 16 of
+    // them data and the last 2 zero.
+    for (n, group) in symbols.chunks(4).enumerate() {
         let mut bits = 0u32;
-        for &symbol in chunk {
+        for &symbol in group {
             bits = bits << 6 | value(symbol)?;
         }
-        // The last chunk has 3 symbols: 18 bits, 16 of them data.
-        let bytes = if chunk.len() == 4 {
-            bits.to_be_bytes()[1..].to_vec()
+        let at = n * 3;
+        if group.len() == 4 {
+            out[at..at + 3].copy_from_slice(&bits.to_be_bytes()[1..]);
         } else {
             if bits & 0b11 != 0 {
                 return None;
             }
-            (bits >> 2).to_be_bytes()[2..].to_vec()
-        };
-        out[written..written + bytes.len()].copy_from_slice(&bytes);
-        written += bytes.len();
+            out[at..at + 2].copy_from_slice(&(bits >> 2).to_be_bytes()[2..]);
+        }
     }
-    (written == 32).then_some(out)
+    Some(out)
 }
 
 #[cfg(test)]
@@ -476,7 +533,7 @@ mod tests {
             "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHy-=",  // URL-safe alphabet
             "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eH=A=",
         ] {
-            assert_eq!(decode_key(bad), None, "{bad:?}");
+            assert!(decode_key(bad).is_none(), "{bad:?}");
         }
     }
 
@@ -499,10 +556,87 @@ mod tests {
         assert!(KeyRing::from_keys([]).is_err());
         assert!(KeyRing::from_secrets(["a secret of at least thirty-two bytes\n"]).is_err());
         assert!(KeyRing::from_secrets(["short"]).is_err());
-        let ring = KeyRing::from_secrets(["a secret of at least thirty-two bytes"]).expect("ok");
+        let secret = "a-secret-of-at-least-thirty-two-bytes";
+        assert!(KeyRing::from_secrets([secret, secret]).is_err());
+        let ring = KeyRing::from_secrets([secret]).expect("ok");
         assert_eq!(ring.len(), 1);
-        assert!(!format!("{ring:?}").is_empty());
+        // A secret and a raw key of the same bytes are two keys.
+        let same_bytes: [u8; 32] = secret.as_bytes()[..32].try_into().expect("32 bytes");
+        let short = KeyRing::from_secrets([&secret[..32]]).expect("ok");
+        let raw = KeyRing::from_keys([&same_bytes]).expect("ok");
+        assert_ne!(short.ids().next(), raw.ids().next());
     }
+
+    #[test]
+    fn debug_shows_ids_never_keys() {
+        let ring = KeyRing::from_keys([&[0xab; 32]]).expect("ring");
+        let shown = format!("{ring:?}");
+        assert!(shown.starts_with("KeyRing { ids: [KeyId("), "{shown}");
+        assert!(!shown.contains("abab"), "{shown}");
+    }
+
+    /// What the ring writes is stored for the key's lifetime: its derivation,
+    /// envelope and fingerprints are pinned, so that a change that would leave
+    /// every stored record unreadable fails here first.
+    #[test]
+    fn what_is_stored_stays_readable() {
+        let ring = KeyRing::from_base64(B).expect("ring");
+        let id = ring.ids().next().expect("a key");
+        assert_eq!(id.to_string(), KNOWN_ID);
+        let (_, fingerprint) = ring.keyed(&[7; 32]);
+        assert_eq!(hex(&fingerprint), KNOWN_FINGERPRINT);
+        let sealed = ring
+            .seal_with_nonce(
+                &identity("alice", "k-1"),
+                [9; NONCE_LEN],
+                201,
+                b"a: b\r\n",
+                b"{}",
+            )
+            .expect("sealed");
+        assert_eq!(hex(&sealed), KNOWN_RECORD);
+        let opened = ring
+            .open(&identity("alice", "k-1"), &sealed)
+            .expect("opens");
+        assert_eq!(
+            (opened.status, &opened.headers[..], &opened.body[..]),
+            (201, &b"a: b\r\n"[..], &b"{}"[..])
+        );
+        // Nothing at all is sealed too.
+        let empty = ring
+            .seal(&identity("alice", "k-2"), 204, b"", b"")
+            .expect("sealed");
+        let opened = ring.open(&identity("alice", "k-2"), &empty).expect("opens");
+        assert_eq!(
+            (opened.status, opened.headers.len(), opened.body.len()),
+            (204, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_record_relabelled_with_another_key_of_the_ring_does_not_open() {
+        let ring = KeyRing::from_base64(&format!("{A},{B}")).expect("ring");
+        let id = identity("alice", "k-1");
+        let mut sealed = ring.seal(&id, 200, b"", b"ok").expect("sealed");
+        let b_id = ring.ids().nth(1).expect("two keys");
+        sealed[1..1 + ID_LEN].copy_from_slice(b_id.as_bytes());
+        assert_eq!(ring.open(&id, &sealed), Err(Unsealable::Tampered(b_id)));
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    const KNOWN_ID: &str = "92bfd512f7926b1d";
+    const KNOWN_FINGERPRINT: &str =
+        "6cefdac8501d9d195befaa15b4ce0fd7ea6a27d0c479ea8e73cfe60835e0e033";
+    const KNOWN_RECORD: &str = concat!(
+        "01",                                               // version
+        "92bfd512f7926b1d",                                 // key id
+        "090909090909090909090909090909090909090909090909", // nonce
+        "f5c158931c486c49a91c12f4110c",                     // ciphertext
+        "4c920af86e2366e6c068935a4227a338",                 // tag
+    );
 
     #[test]
     fn a_sealed_record_opens_as_its_own_row_only() {
@@ -603,7 +737,7 @@ mod tests {
         assert_ne!(rotated.keyed(&digest).1, stored);
         assert_eq!(other.keyed_under(b_id, &digest), None);
         // Raw keys and their base64 form are one ring.
-        let raw = KeyRing::from_keys([&decode_key(B).expect("key")]).expect("ring");
+        let raw = KeyRing::from_keys([&*decode_key(B).expect("key")]).expect("ring");
         assert_eq!(raw.keyed(&digest), (b_id, stored));
     }
 }

@@ -277,7 +277,7 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
         }
     }
     assert_eq!(
-        h.open_transactions().await,
+        crate::transactions_left(&h).await,
         0,
         "a session left in a transaction"
     );

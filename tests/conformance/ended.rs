@@ -219,7 +219,7 @@ async fn one_case(statement: usize, end: End) {
         }
     }
     assert_eq!(
-        h.open_transactions().await,
+        crate::transactions_left(&h).await,
         0,
         "{case}: a session left in a transaction"
     );

@@ -139,6 +139,21 @@ async fn await_completed<H: Harness>(h: &H, scope: &str, count: usize) {
     }
 }
 
+/// Sessions still inside a transaction once the traffic is over, after up to
+/// 5 s: a connection's rollback and return to the pool may run in a task of its
+/// own after the answer is out, which a loaded machine runs late; a transaction
+/// left open stays open.
+async fn transactions_left<H: Harness>(h: &H) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let open = h.open_transactions().await;
+        if open == 0 || Instant::now() >= deadline {
+            return open;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// 409 `in-flight`, with `Retry-After` whole seconds within the longest lock the
 /// suite gives (30 s); returns them.
 fn assert_in_flight(got: &Got) -> u64 {
@@ -856,9 +871,8 @@ async fn disconnected_clients_leave_no_stuck_claim<H: Harness>() {
     }
     await_completed(&h, "alice", keys.len()).await;
     assert_eq!(h.effects("alice").await, keys.len() as i64);
-    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
-        h.open_transactions().await,
+        transactions_left(&h).await,
         0,
         "no connection left in a transaction"
     );
@@ -899,8 +913,7 @@ async fn dropped_callers_still_complete<H: Harness>() {
     }
     await_completed(&h, "alice", keys.len()).await;
     assert_eq!(h.effects("alice").await, keys.len() as i64);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(h.open_transactions().await, 0);
+    assert_eq!(transactions_left(&h).await, 0);
     for key in &keys {
         let got = send(&app, &Req::post("alice", key, BODY)).await;
         assert_eq!(got.outcome, Some(Outcome::Replayed), "{got:?}");

@@ -241,7 +241,7 @@ pub async fn caught_database_errors_are_recorded<H: Harness>() {
         assert_eq!(row.state, "completed", "{key}");
         assert_eq!(row.status, Some(409), "{key}");
     }
-    assert_eq!(h.open_transactions().await, 0);
+    assert_eq!(crate::transactions_left(&h).await, 0);
     h.finish().await;
 }
 

@@ -312,7 +312,7 @@ pub async fn handlers_that_end_their_own_transaction_never_run_twice<H: Harness>
         }
     }
     assert_eq!(
-        h.open_transactions().await,
+        crate::transactions_left(&h).await,
         0,
         "a session left in a transaction"
     );
@@ -401,7 +401,7 @@ pub async fn duplicates_never_run_while_a_handler_has_ended_its_transaction<H: H
         }
     }
     assert_eq!(
-        h.open_transactions().await,
+        crate::transactions_left(&h).await,
         0,
         "a session left in a transaction"
     );

@@ -37,6 +37,7 @@ use std::future::Future;
 use sqlx::{Database, Transaction};
 
 use crate::admin::{Forgotten, InFlight};
+use crate::seal::{KeyRing, Unreadable};
 use crate::tx::Adopted;
 
 /// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`),
@@ -78,7 +79,12 @@ pub struct Identity<'a> {
     /// The endpoint fingerprints the body's JSON value: its `Content-Type`'s
     /// `charset` is not compared either (see `crate::media`).
     pub json_body: bool,
-    pub fingerprint: &'a [u8; 32],
+    /// The fingerprint a claim stores: the body's digest, keyed when the store
+    /// seals (`crate::seal`).
+    pub fingerprint: [u8; 32],
+    /// The body's digest, unkeyed: what a stored fingerprint is compared with,
+    /// never stored where the store seals.
+    pub body_digest: &'a [u8; 32],
     /// A multipart body's SHA-256 of its bytes, the fingerprint earlier releases
     /// recorded for it: a row of theirs matches by it.
     pub bytes_fingerprint: Option<&'a [u8; 32]>,
@@ -103,6 +109,9 @@ pub struct Found {
     pub status: Option<i32>,
     pub headers: Option<Vec<u8>>,
     pub body: Option<bytes::Bytes>,
+    /// Why the stored response is not replayed, if it is not: set when the row is
+    /// read (`Engine::readable`), never by a backend.
+    pub(crate) unreadable: Option<Unreadable>,
 }
 
 impl Found {
@@ -137,6 +146,7 @@ impl Found {
             body: row
                 .try_get::<Option<Vec<u8>>, _>("body")?
                 .map(bytes::Bytes::from),
+            unreadable: None,
         })
     }
 
@@ -210,11 +220,19 @@ impl Found {
             status: Some(i32::from(response.status().as_u16())),
             headers: Some(headers),
             body: Some(response.body().clone()),
+            unreadable: None,
         }
     }
 
-    /// The first part of the request that differs from the one recorded, if any.
-    pub(crate) fn differs(&self, id: &Identity<'_>) -> Option<Differs> {
+    /// Whether the stored response is sealed (`crate::seal`): its status is 0,
+    /// which no response has, and its body the sealed record.
+    pub(crate) fn sealed(&self) -> bool {
+        self.completed && self.status == Some(0) && self.body.is_some()
+    }
+
+    /// The first part of the request that differs from the one recorded, if any;
+    /// `ring` opens keyed fingerprints.
+    pub(crate) fn differs(&self, id: &Identity<'_>, ring: Option<&KeyRing>) -> Option<Differs> {
         let (path, query) = split_query(&self.path);
         let (id_path, id_query) = split_query(id.path);
         if self.method != id.method {
@@ -225,19 +243,24 @@ impl Found {
             Some(Differs::Query)
         } else if !self.same_content_type(id) {
             Some(Differs::ContentType)
-        } else if !self.same_body(id) {
+        } else if !self.same_body(id, ring) {
             Some(Differs::Body)
         } else {
             None
         }
     }
 
-    pub(crate) fn same_body(&self, id: &Identity<'_>) -> bool {
+    /// Whether the stored fingerprint is the request's body: keyed under a key
+    /// of `ring`, or unkeyed (rows written without sealing, which a store turning
+    /// sealing on or off still reads; a record in plain text is refused where
+    /// sealing is on, whatever its fingerprint).
+    pub(crate) fn same_body(&self, id: &Identity<'_>, ring: Option<&KeyRing>) -> bool {
         let stored = self.fingerprint.as_slice();
-        stored == id.fingerprint.as_slice()
-            || id
-                .bytes_fingerprint
-                .is_some_and(|bytes| stored == bytes.as_slice())
+        let is = |digest: &[u8; 32]| match ring.and_then(|ring| ring.matches(stored, digest)) {
+            Some(matches) => matches,
+            None => stored == digest.as_slice(),
+        };
+        is(id.body_digest) || id.bytes_fingerprint.is_some_and(is)
     }
 
     /// Whether the stored `Content-Type` is the request's as a media type; a row

@@ -270,6 +270,7 @@ mod tests {
             status: Some(201),
             headers: Some(b"content-type: application/json".to_vec()),
             body: Some(bytes::Bytes::from_static(body)),
+            unreadable: None,
         }
     }
 

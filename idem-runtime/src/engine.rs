@@ -27,6 +27,7 @@ use crate::multipart::InvalidMultipart;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
+use crate::seal::{SealError, Sealed, Unreadable, sealed_by};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 use crate::tx::{Open, Tx};
@@ -298,6 +299,9 @@ pub enum Outcome {
     /// or a `COMMIT` the handler sent): 500 `transaction-ended`, which the key
     /// keeps for its `ttl`; the handler never runs again under it.
     TransactionEnded,
+    /// The stored response could not be opened (see [`Sealing`](crate::Sealing)):
+    /// 500 `record-unreadable`, nothing ran or was replayed.
+    RecordUnreadable,
 }
 
 impl Outcome {
@@ -315,6 +319,7 @@ impl Outcome {
             Self::StoreFailed => "store_failed",
             Self::ShuttingDown => "shutting_down",
             Self::TransactionEnded => "transaction_ended",
+            Self::RecordUnreadable => "record_unreadable",
         }
     }
 }
@@ -543,6 +548,11 @@ impl<DB: Backend> Idempotency<DB> {
         key: &'a IdempotencyKey,
         fingerprint: &'a [u8; 32],
     ) -> Identity<'a> {
+        // Keyed where the store seals: the bare digest is then never stored.
+        let stored = match self.inner().sealing.writer() {
+            Some(ring) => ring.fingerprint(fingerprint),
+            None => *fingerprint,
+        };
         Identity {
             scope: &request.scope,
             key: key.as_str(),
@@ -550,7 +560,8 @@ impl<DB: Backend> Idempotency<DB> {
             path: &request.path,
             content_type: &request.content_type,
             json_body: options.fingerprints_json(),
-            fingerprint,
+            fingerprint: stored,
+            body_digest: fingerprint,
             bytes_fingerprint: request.bytes_fingerprint.as_ref(),
             digest: key_digest(&self.inner().table, &request.scope, key.as_str()),
         }
@@ -713,7 +724,7 @@ impl<DB: Backend> Idempotency<DB> {
             Ok(Opened::Claimed(tx)) => (Open::adopt(tx), false, claim),
             Ok(Opened::Adopted(adopted)) => (adopted, false, claim),
             // `other` takes the whole result, so `conn` is free again below.
-            other => match other.map(Opened::found) {
+            other => match other.map(|opened| opened.found().map(|f| self.readable(f, id))) {
                 Ok(Some(found)) => {
                     if let Some(cache) = cache {
                         cache.keep(id.digest, &found, read, filler.take());
@@ -795,11 +806,23 @@ impl<DB: Backend> Idempotency<DB> {
                         .insert(IDEMPOTENCY_KEY_TTL, HeaderValue::from(seconds));
                 }
                 let headers = encode_headers(response.headers());
-                let recorded = Recorded {
-                    status: i32::from(response.status().as_u16()),
-                    headers: &headers,
-                    body: response.body(),
-                    ttl_ms: options.ttl_millis(),
+                let mut seal_failed = None;
+                let sealed = self
+                    .seal(id, response.status(), &headers, response.body())
+                    .and_then(|sealed| sealed.map_err(|error| seal_failed = Some(error)).ok());
+                let recorded = match &sealed {
+                    Some(sealed) => Recorded {
+                        status: 0,
+                        headers: &[],
+                        body: sealed,
+                        ttl_ms: options.ttl_millis(),
+                    },
+                    None => Recorded {
+                        status: i32::from(response.status().as_u16()),
+                        headers: &headers,
+                        body: response.body(),
+                        ttl_ms: options.ttl_millis(),
+                    },
                 };
                 let announce = waits.then_some(signal);
                 let recording = Instant::now();
@@ -807,6 +830,9 @@ impl<DB: Backend> Idempotency<DB> {
                     Err(sqlx::Error::Protocol(
                         "the record fails on purpose (testing)".into(),
                     ))
+                } else if let Some(error) = seal_failed {
+                    // Never recorded in plain text instead: rolled back below.
+                    Err(sqlx::Error::Encode(Box::new(error)))
                 } else {
                     DB::idem_record(&mut open, sql, id, claim, recorded, announce).await
                 };
@@ -1011,6 +1037,7 @@ impl<DB: Backend> Idempotency<DB> {
         let read = (Instant::now(), cache.map_or(0, ReplayCache::epoch));
         match DB::idem_lookup(conn, sql, id).await {
             Ok(found) => {
+                let found = found.map(|found| self.readable(found, id));
                 if let (Some(cache), Some(found)) = (cache, &found) {
                     cache.keep(id.digest, found, read, filler);
                 }
@@ -1083,7 +1110,10 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: found.fresh(),
             };
         }
-        if let Some(differs) = found.differs(id) {
+        if let Some(unreadable) = found.unreadable {
+            return Decision::Answer(Outcome::RecordUnreadable, self.unreadable(unreadable, id));
+        }
+        if let Some(differs) = found.differs(id, self.inner().sealing.ring()) {
             // Which part differs, never what the first request held: the key may
             // be another client's, guessed.
             let (member, named) = differs.names();
@@ -1111,6 +1141,77 @@ impl<DB: Backend> Idempotency<DB> {
         } else {
             Decision::InFlight
         }
+    }
+
+    /// The sealed record of a response, where the store seals: bound to the row
+    /// the claim wrote.
+    fn seal(
+        &self,
+        id: &Identity<'_>,
+        status: http::StatusCode,
+        headers: &[u8],
+        body: &[u8],
+    ) -> Option<Result<Vec<u8>, SealError>> {
+        let ring = self.inner().sealing.writer()?;
+        let row = Sealed {
+            scope: id.scope,
+            key: id.key,
+            method: id.method,
+            path: id.path,
+            content_type: Some(id.content_type),
+            fingerprint: &id.fingerprint,
+        };
+        Some(ring.seal(&row, status.as_u16(), headers, body))
+    }
+
+    /// `found` as this store may replay it: a sealed record opened, or marked
+    /// `unreadable` with why it is refused. Claims and ended marks hold no
+    /// response and pass as they are.
+    fn readable(&self, mut found: Found, id: &Identity<'_>) -> Found {
+        if !found.completed || found.ended() {
+            return found;
+        }
+        let sealing = &self.inner().sealing;
+        let body = found.body.as_deref().unwrap_or_default();
+        let why = match (found.sealed(), sealing.ring()) {
+            (false, _) if sealing.opens_plain() => return found,
+            (false, _) => Unreadable::Plain,
+            (true, None) => Unreadable::Sealed(sealed_by(body)),
+            (true, Some(ring)) => {
+                let row = Sealed {
+                    scope: id.scope,
+                    key: id.key,
+                    method: &found.method,
+                    path: &found.path,
+                    content_type: found.content_type.as_deref(),
+                    fingerprint: &found.fingerprint,
+                };
+                match ring.open(&row, body) {
+                    Ok(opened) => {
+                        found.status = Some(i32::from(opened.status));
+                        found.headers = Some(opened.headers);
+                        found.body = Some(Bytes::from(opened.body));
+                        return found;
+                    }
+                    Err(unsealable) => Unreadable::Unsealable(unsealable),
+                }
+            }
+        };
+        found.unreadable = Some(why);
+        found
+    }
+
+    /// 500 `record-unreadable`; the log names the record's key id, never its
+    /// contents.
+    fn unreadable(&self, why: Unreadable, id: &Identity<'_>) -> Response<Bytes> {
+        tracing::error!(
+            scope = id.scope,
+            key = id.key,
+            "not replayed: {why} (docs/deployment.md, sealing)"
+        );
+        let detail = "the response recorded under this Idempotency-Key cannot be opened by \
+                      this server; nothing ran, and the key will not run again";
+        self.problem(Problem::RecordUnreadable, detail)
     }
 
     pub(crate) fn problem(&self, problem: Problem, detail: &str) -> Response<Bytes> {
@@ -1349,6 +1450,7 @@ struct HeldKey {
     content_type: String,
     json_body: bool,
     fingerprint: [u8; 32],
+    body_digest: [u8; 32],
     digest: [u8; 32],
 }
 
@@ -1361,7 +1463,8 @@ impl HeldKey {
             path: id.path.to_owned(),
             content_type: id.content_type.to_owned(),
             json_body: id.json_body,
-            fingerprint: *id.fingerprint,
+            fingerprint: id.fingerprint,
+            body_digest: *id.body_digest,
             digest: id.digest,
         }
     }
@@ -1374,7 +1477,8 @@ impl HeldKey {
             path: &self.path,
             content_type: &self.content_type,
             json_body: self.json_body,
-            fingerprint: &self.fingerprint,
+            fingerprint: self.fingerprint,
+            body_digest: &self.body_digest,
             // A finish compares nothing.
             bytes_fingerprint: None,
             digest: self.digest,

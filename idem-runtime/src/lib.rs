@@ -57,7 +57,7 @@ pub use options::{InvalidOptions, Options};
 pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use scope::Scope;
-pub use seal::{KeyId, KeyRing, KeyRingError};
+pub use seal::{KeyId, KeyRing, KeyRingError, Sealing};
 pub use shutdown::{Closed, Shutdown};
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,

@@ -957,7 +957,7 @@ fn begin_text(sql: &Sql, id: &Identity<'_>, claim: Claim) -> String {
         claim.lease,
         to_hex(id.method.as_bytes()),
         to_hex(id.path.as_bytes()),
-        to_hex(id.fingerprint),
+        to_hex(&id.fingerprint),
         to_hex(id.content_type.as_bytes()),
     )
 }

@@ -1449,7 +1449,8 @@ mod tests {
                 path: "/p",
                 content_type: "",
                 json_body: false,
-                fingerprint: &fingerprint,
+                fingerprint,
+                body_digest: &fingerprint,
                 bytes_fingerprint: None,
                 digest: crate::signal::key_digest("idempotency_keys", "s", "k"),
             };

@@ -63,6 +63,13 @@ pub enum Problem {
     /// handler never runs again under it: what committed needs an operator to
     /// reconcile, never a second execution.
     TransactionEnded,
+    /// 500: the response recorded under this key cannot be opened by this store
+    /// (see [`Sealing`](crate::Sealing)): it is in plain text where the store
+    /// seals, sealed where it does not, changed, copied from another key's row,
+    /// or sealed under a key no longer in the ring. It is never replayed, and the
+    /// key is not run again: an operator restores the key ring, or reads and
+    /// forgets the key (`idem show`, `idem forget`). The log names the key id.
+    RecordUnreadable,
     /// 500: the endpoint's [`Options`](crate::Options) are inconsistent (`lock` not
     /// shorter than `ttl`, or a `release_on` status outside 400–499): nothing was
     /// run or stored. The `#[idempotent]`
@@ -93,6 +100,7 @@ impl Problem {
             Self::ResponseTooLarge
             | Self::HandlerFailed
             | Self::TransactionEnded
+            | Self::RecordUnreadable
             | Self::InvalidOptions => StatusCode::INTERNAL_SERVER_ERROR,
             Self::LeaseExpired | Self::StoreUnavailable | Self::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -115,6 +123,7 @@ impl Problem {
             Self::ResponseTooLarge => "response-too-large",
             Self::HandlerFailed => "handler-failed",
             Self::TransactionEnded => "transaction-ended",
+            Self::RecordUnreadable => "record-unreadable",
             Self::InvalidOptions => "invalid-options",
             Self::StoreUnavailable => "store-unavailable",
             Self::ShuttingDown => "shutting-down",
@@ -136,6 +145,7 @@ impl Problem {
             Self::ResponseTooLarge => "Response too large to store",
             Self::HandlerFailed => "Request handler failed",
             Self::TransactionEnded => "Request's transaction ended before its answer was recorded",
+            Self::RecordUnreadable => "Recorded response cannot be opened",
             Self::InvalidOptions => "Endpoint misconfigured",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::ShuttingDown => "Server shutting down",

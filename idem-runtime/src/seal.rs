@@ -11,14 +11,14 @@
 //!
 //! A sealed record is `version ‖ key id ‖ nonce ‖ ciphertext ‖ tag`, over
 //! `status ‖ headers' length ‖ headers ‖ body`. Its associated data is the
-//! version, the key id and the record's identity (scope, key, method, path, each
-//! length-prefixed), so a row copied to another scope or key does not open.
+//! version, the key id and the row's identity (scope, key, method, path, content
+//! type and stored fingerprint, each length-prefixed), so a row copied to another
+//! scope or key, or given another request's fingerprint, does not open.
 //!
-//! A keyed fingerprint is HMAC-SHA-256 of the request's unkeyed digest (SHA-256
-//! of the body, or of its canonical form): a retry matches under an older key
-//! from the digest alone, and the unkeyed digest is never stored.
-// Not yet called by the stores, which take a ring in the next step.
-#![cfg_attr(not(test), expect(dead_code))]
+//! A keyed fingerprint is the key's id and HMAC-SHA-256 of the request's unkeyed
+//! digest (SHA-256 of the body, or of its canonical form), cut to 24 bytes: a
+//! retry matches under an older key from the digest alone, and the unkeyed
+//! digest is never stored.
 
 use std::fmt;
 
@@ -337,16 +337,26 @@ impl KeyRing {
     }
 
     /// The fingerprint to store for a request whose unkeyed digest is
-    /// `digest`: HMAC-SHA-256 of it under the newest key, and that key's id.
-    pub(crate) fn keyed(&self, digest: &[u8; 32]) -> (KeyId, [u8; 32]) {
+    /// `digest`: the newest key's id, then the first 24 bytes of HMAC-SHA-256 of
+    /// the digest under it (32 bytes in all, the width of the column).
+    pub(crate) fn fingerprint(&self, digest: &[u8; 32]) -> [u8; 32] {
         let key = self.newest();
-        (key.id, keyed(key, digest))
+        let mut stored = [0; 32];
+        stored[..ID_LEN].copy_from_slice(&key.id.0);
+        stored[ID_LEN..].copy_from_slice(&keyed(key, digest)[..32 - ID_LEN]);
+        stored
     }
 
-    /// `digest` keyed as a row keyed it, under `id`; `None` when that key has
-    /// left the ring.
-    pub(crate) fn keyed_under(&self, id: KeyId, digest: &[u8; 32]) -> Option<[u8; 32]> {
-        self.key(id).map(|key| keyed(key, digest))
+    /// Whether `stored`, a fingerprint this ring wrote under any of its keys,
+    /// is that of `digest`; `None` when no key of the ring wrote it (an unkeyed
+    /// fingerprint, or one keyed under a key that has left).
+    pub(crate) fn matches(&self, stored: &[u8], digest: &[u8; 32]) -> Option<bool> {
+        let (id, mac) = stored.split_first_chunk::<ID_LEN>()?;
+        if mac.len() != 32 - ID_LEN {
+            return None;
+        }
+        let key = self.key(KeyId(*id))?;
+        Some(keyed(key, digest)[..32 - ID_LEN] == *mac)
     }
 }
 
@@ -354,6 +364,78 @@ fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
     let mut mac = key.fingerprints.clone();
     mac.update(digest);
     mac.finalize().into_bytes().into()
+}
+
+/// Whether a store seals the responses it records and keys the fingerprints it
+/// stores ([`Builder::sealing`](crate::Builder::sealing)).
+///
+/// With [`On`](Self::On), every recorded response (status, headers and body) is
+/// sealed with XChaCha20-Poly1305 under the ring's newest key, bound to its
+/// row's scope, key, method, path, content type and fingerprint, and every
+/// stored fingerprint is HMAC-SHA-256 under a key derived from the ring. A
+/// record that does not open (in plain text, changed, moved to another row, or
+/// sealed under a key no longer in the ring) is never replayed: the request is
+/// answered 500 [`RecordUnreadable`](crate::Problem::RecordUnreadable) and its
+/// key is not run again. Request bodies are never stored, sealed or not.
+///
+/// The two transitions let a running deployment change without leaving keys
+/// unanswerable: every instance moves to the transition first, then, once the
+/// records written before it are gone (re-sealed by `idem reseal`, or past
+/// their ttl), to where it is going.
+///
+/// # Examples
+///
+/// ```rust,no_run
+/// # extern crate idem_runtime as idem_axum;
+/// # fn demo<DB: idem_axum::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_axum::{Idempotency, KeyRing, Sealing};
+///
+/// // Newest first: `openssl rand -base64 32` makes a key.
+/// let ring = KeyRing::from_base64(&std::env::var("SEAL_KEYS")?)?;
+/// let idempotency = Idempotency::builder(pool)
+///     .sealing(Sealing::On(ring))
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub enum Sealing {
+    /// Responses are recorded in plain text and fingerprints are SHA-256 of the
+    /// body; a sealed record is refused, as it cannot be opened. The default.
+    #[default]
+    Off,
+    /// Responses are sealed and fingerprints keyed; a record in plain text is
+    /// refused.
+    On(KeyRing),
+    /// On its way to [`On`](Self::On): records are written sealed, and records
+    /// in plain text, written before, are still replayed.
+    TurningOn(KeyRing),
+    /// On its way to [`Off`](Self::Off): records are written in plain text,
+    /// and sealed ones, written before, still open.
+    TurningOff(KeyRing),
+}
+
+impl Sealing {
+    /// The ring that seals what is written now.
+    pub(crate) fn writer(&self) -> Option<&KeyRing> {
+        match self {
+            Self::On(ring) | Self::TurningOn(ring) => Some(ring),
+            Self::Off | Self::TurningOff(_) => None,
+        }
+    }
+
+    /// The ring that opens what was written.
+    pub(crate) fn ring(&self) -> Option<&KeyRing> {
+        match self {
+            Self::On(ring) | Self::TurningOn(ring) | Self::TurningOff(ring) => Some(ring),
+            Self::Off => None,
+        }
+    }
+
+    /// Whether a record in plain text is replayed.
+    pub(crate) fn opens_plain(&self) -> bool {
+        !matches!(self, Self::On(_))
+    }
 }
 
 /// Why a response was not sealed (and so not recorded).
@@ -406,27 +488,52 @@ pub(crate) fn sealed_by(sealed: &[u8]) -> Option<KeyId> {
 }
 
 /// What binds a sealed record to its row: the record opens only as the
-/// response of this scope, key, method and path.
+/// response of this scope, key, method, path, content type and stored
+/// fingerprint, as the row holds them.
 pub(crate) struct Sealed<'a> {
     pub(crate) scope: &'a str,
     pub(crate) key: &'a str,
     pub(crate) method: &'a str,
     pub(crate) path: &'a str,
+    /// `None` in rows from before content types were stored, which match any.
+    pub(crate) content_type: Option<&'a str>,
+    pub(crate) fingerprint: &'a [u8],
 }
 
 impl Sealed<'_> {
     fn associated_data(&self, id: KeyId) -> Vec<u8> {
-        let parts = [self.scope, self.key, self.method, self.path];
         let label = b"idem sealed response";
+        // A missing content type is not an empty one: it would match any.
+        let content_type = self.content_type.map(str::as_bytes);
+        let parts = [
+            Some(self.scope.as_bytes()),
+            Some(self.key.as_bytes()),
+            Some(self.method.as_bytes()),
+            Some(self.path.as_bytes()),
+            content_type,
+            Some(self.fingerprint),
+        ];
         let mut aad = Vec::with_capacity(
-            label.len() + 1 + ID_LEN + parts.iter().map(|p| 8 + p.len()).sum::<usize>(),
+            label.len()
+                + 1
+                + ID_LEN
+                + parts
+                    .iter()
+                    .map(|p| 9 + p.map_or(0, <[u8]>::len))
+                    .sum::<usize>(),
         );
         aad.extend_from_slice(label);
         aad.push(VERSION);
         aad.extend_from_slice(&id.0);
         for part in parts {
-            aad.extend_from_slice(&(part.len() as u64).to_be_bytes());
-            aad.extend_from_slice(part.as_bytes());
+            match part {
+                Some(part) => {
+                    aad.push(1);
+                    aad.extend_from_slice(&(part.len() as u64).to_be_bytes());
+                    aad.extend_from_slice(part);
+                }
+                None => aad.push(0),
+            }
         }
         aad
     }
@@ -464,6 +571,46 @@ pub(crate) enum Unsealable {
     UnknownKey(KeyId),
     /// It does not open under its key: changed, or moved from another row.
     Tampered(KeyId),
+}
+
+/// Why a stored response is not replayed by this store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unreadable {
+    /// In plain text, where the store seals ([`Sealing::On`]).
+    Plain,
+    /// Sealed (under this key, when the record names one), where the store has
+    /// no ring ([`Sealing::Off`]).
+    Sealed(Option<KeyId>),
+    /// Sealed, and it does not open with the store's ring.
+    Unsealable(Unsealable),
+}
+
+impl fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Plain => f.write_str("the record is in plain text and this store seals"),
+            Self::Sealed(Some(id)) => write!(
+                f,
+                "the record is sealed under key {id} and this store has no key ring"
+            ),
+            Self::Sealed(None) => f.write_str(
+                "the record is sealed in a format this release does not know, and this store \
+                 has no key ring",
+            ),
+            Self::Unsealable(Unsealable::Malformed) => {
+                f.write_str("the record is marked sealed but is not a sealed record")
+            }
+            Self::Unsealable(Unsealable::UnknownKey(id)) => write!(
+                f,
+                "the record is sealed under key {id}, which the key ring no longer holds"
+            ),
+            Self::Unsealable(Unsealable::Tampered(id)) => write!(
+                f,
+                "the record does not open under key {id}: it was changed, or copied from \
+                 another row"
+            ),
+        }
+    }
 }
 
 /// Standard base64 of exactly 32 bytes, padded, canonical (44 characters, the
@@ -517,6 +664,8 @@ mod tests {
             key,
             method: "POST",
             path: "/payments",
+            content_type: Some("application/json"),
+            fingerprint: &[5; 32],
         }
     }
 
@@ -583,8 +732,9 @@ mod tests {
         let ring = KeyRing::from_base64(B).expect("ring");
         let id = ring.ids().next().expect("a key");
         assert_eq!(id.to_string(), KNOWN_ID);
-        let (_, fingerprint) = ring.keyed(&[7; 32]);
+        let fingerprint = ring.fingerprint(&[7; 32]);
         assert_eq!(hex(&fingerprint), KNOWN_FINGERPRINT);
+        assert_eq!(fingerprint[..ID_LEN], *id.as_bytes());
         let sealed = ring
             .seal_with_nonce(
                 &identity("alice", "k-1"),
@@ -628,14 +778,16 @@ mod tests {
     }
 
     const KNOWN_ID: &str = "92bfd512f7926b1d";
-    const KNOWN_FINGERPRINT: &str =
-        "6cefdac8501d9d195befaa15b4ce0fd7ea6a27d0c479ea8e73cfe60835e0e033";
+    const KNOWN_FINGERPRINT: &str = concat!(
+        "92bfd512f7926b1d",                                 // key id
+        "6cefdac8501d9d195befaa15b4ce0fd7ea6a27d0c479ea8e", // HMAC, cut
+    );
     const KNOWN_RECORD: &str = concat!(
         "01",                                               // version
         "92bfd512f7926b1d",                                 // key id
         "090909090909090909090909090909090909090909090909", // nonce
         "f5c158931c486c49a91c12f4110c",                     // ciphertext
-        "4c920af86e2366e6c068935a4227a338",                 // tag
+        "2e97f0da906175b48b89e93cb418913a",                 // tag
     );
 
     #[test]
@@ -669,6 +821,19 @@ mod tests {
             },
             Sealed {
                 path: "/refunds",
+                ..identity("alice", "k-1")
+            },
+            Sealed {
+                content_type: Some("text/plain"),
+                ..identity("alice", "k-1")
+            },
+            // A missing content type matches any: it is not an empty one.
+            Sealed {
+                content_type: None,
+                ..identity("alice", "k-1")
+            },
+            Sealed {
+                fingerprint: &[6; 32],
                 ..identity("alice", "k-1")
             },
             // Length-prefixed: moving bytes between parts changes the data.
@@ -730,14 +895,20 @@ mod tests {
         let old = KeyRing::from_base64(B).expect("ring");
         let other = KeyRing::from_base64(A).expect("ring");
         let rotated = KeyRing::from_base64(&format!("{A},{B}")).expect("ring");
-        let (b_id, stored) = old.keyed(&digest);
+        let stored = old.fingerprint(&digest);
         assert_ne!(stored, digest);
-        assert_ne!(stored, other.keyed(&digest).1);
-        assert_eq!(rotated.keyed_under(b_id, &digest), Some(stored));
-        assert_ne!(rotated.keyed(&digest).1, stored);
-        assert_eq!(other.keyed_under(b_id, &digest), None);
+        assert_ne!(stored, other.fingerprint(&digest));
+        assert_eq!(old.matches(&stored, &digest), Some(true));
+        assert_eq!(old.matches(&stored, &[8; 32]), Some(false));
+        // After a rotation, under the key that wrote it.
+        assert_eq!(rotated.matches(&stored, &digest), Some(true));
+        assert_ne!(rotated.fingerprint(&digest), stored);
+        // Not written by this ring: the key left, or it is an unkeyed digest.
+        assert_eq!(other.matches(&stored, &digest), None);
+        assert_eq!(old.matches(&digest, &digest), None);
+        assert_eq!(old.matches(&stored[..31], &digest), None);
         // Raw keys and their base64 form are one ring.
         let raw = KeyRing::from_keys([&*decode_key(B).expect("key")]).expect("ring");
-        assert_eq!(raw.keyed(&digest), (b_id, stored));
+        assert_eq!(raw.fingerprint(&digest), stored);
     }
 }

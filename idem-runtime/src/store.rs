@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use crate::backend::{Applied, Backend, Layout};
 use crate::cache::ReplayCache;
+use crate::seal::Sealing;
 use crate::shutdown::{Lifecycle, Shutdown};
 use crate::signal::Signals;
 
@@ -84,8 +85,9 @@ pub(crate) struct Inner<DB: Backend> {
     /// Where `wait`'s listener takes its connection, when not from `pool`.
     pub(crate) listen_pool: Option<Pool<DB>>,
     pub(crate) sql: DB::IdemSql,
-    /// Completed responses kept in process; `None` when turned off.
+    /// Completed responses kept in process, opened; `None` when turned off.
     pub(crate) replay_cache: Option<ReplayCache>,
+    pub(crate) sealing: Sealing,
     pub(crate) signals: Signals,
     pub(crate) lifecycle: Arc<Lifecycle>,
     /// What `testing::ExactlyOnce` steers and watches.
@@ -113,6 +115,7 @@ impl<DB: Backend> fmt::Debug for Idempotency<DB> {
                 "replay_cache_bytes",
                 &self.inner().replay_cache.as_ref().map(ReplayCache::weight),
             )
+            .field("sealing", &self.inner().sealing)
             .finish_non_exhaustive()
     }
 }
@@ -160,6 +163,7 @@ impl<DB: Backend> Idempotency<DB> {
             deferred: false,
             galera: None,
             listen_pool: None,
+            sealing: Sealing::Off,
         }
     }
 
@@ -272,6 +276,7 @@ pub struct Builder<DB: Backend> {
     deferred: bool,
     galera: Option<bool>,
     listen_pool: Option<Pool<DB>>,
+    sealing: Sealing,
 }
 
 impl<DB: Backend> Builder<DB> {
@@ -351,6 +356,27 @@ impl<DB: Backend> Builder<DB> {
         self
     }
 
+    /// Whether recorded responses are sealed and fingerprints keyed, and with
+    /// which key ring (default [`Sealing::Off`]). Sealed records are opened when
+    /// read, before the replay cache keeps them: replays from memory decrypt
+    /// nothing.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
+    /// # fn demo<DB: idem_axum::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_axum::{Idempotency, KeyRing, Sealing};
+    ///
+    /// let ring = KeyRing::from_base64(&std::env::var("SEAL_KEYS")?)?;
+    /// let idempotency = Idempotency::builder(pool).sealing(Sealing::On(ring)).build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn sealing(mut self, sealing: Sealing) -> Self {
+        self.sealing = sealing;
+        self
+    }
+
     /// Builds the store.
     ///
     /// # Errors
@@ -390,6 +416,7 @@ impl<DB: Backend> Builder<DB> {
                 listen_pool: self.listen_pool,
                 sql,
                 replay_cache: ReplayCache::new(self.replay_cache_bytes, self.replay_cache_refresh),
+                sealing: self.sealing,
                 signals: Signals::new(),
                 lifecycle: Arc::new(Lifecycle::new()),
                 #[cfg(feature = "testing")]

@@ -101,6 +101,10 @@ pub trait Harness: Send + Sync + Sized + 'static {
 
     fn key_rows(&self, scope: &str) -> impl Future<Output = Vec<(String, KeyRow)>> + Send;
 
+    /// Overwrites the row of `scope`'s `key` with `row`, as someone with write
+    /// access to the table could.
+    fn rewrite_row(&self, scope: &str, key: &str, row: &KeyRow) -> impl Future<Output = ()> + Send;
+
     /// What a crashed executor leaves: a `processing` row whose lock ran out.
     fn insert_stale_claim(
         &self,

@@ -40,6 +40,7 @@ mod operator;
 #[cfg(feature = "postgres")]
 mod partitions;
 mod realistic;
+mod sealing;
 mod session;
 mod upload;
 #[cfg(feature = "sqlite")]
@@ -79,6 +80,10 @@ use realistic::{
     idem_extractors_work_in_any_handler, kept_replays_skip_the_last_extractor,
     nested_routes_keep_their_identity, storms_across_instances_charge_each_key_once,
     storms_over_two_instances_execute_each_key_once,
+};
+use sealing::{
+    changed_records_are_never_replayed, rotation_keeps_every_key_answered,
+    sealed_records_replay_and_hold_no_plaintext, sealing_turns_on_and_off_without_losing_keys,
 };
 use session::{
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
@@ -1393,4 +1398,8 @@ conformance!(
     handlers_that_end_their_own_transaction_never_run_twice,
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
     the_testing_kit_proves_handlers_exactly_once,
+    sealed_records_replay_and_hold_no_plaintext,
+    rotation_keeps_every_key_answered,
+    changed_records_are_never_replayed,
+    sealing_turns_on_and_off_without_losing_keys,
 );

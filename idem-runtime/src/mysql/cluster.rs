@@ -189,7 +189,7 @@ fn claim_row(id: &Identity<'_>, claim: Claim) -> [(&'static str, String); 12] {
         ("lease", claim.lease.to_string()),
         ("method", format!("X'{}'", to_hex(id.method.as_bytes()))),
         ("path", format!("X'{}'", to_hex(id.path.as_bytes()))),
-        ("fingerprint", format!("X'{}'", to_hex(id.fingerprint))),
+        ("fingerprint", format!("X'{}'", to_hex(&id.fingerprint))),
         (
             "content_type",
             format!("X'{}'", to_hex(id.content_type.as_bytes())),

@@ -1,0 +1,263 @@
+//! §3 of docs/contract.md, "Sealed records": with sealing on, the table holds no
+//! response and no bare digest of a body, every retry still matches and replays,
+//! and a record that does not open is never replayed nor run again.
+
+use idem_axum::{Idempotency, KeyRing, Sealing};
+use sha2::{Digest as _, Sha256};
+
+use crate::app::{Got, Req, router_on, send};
+use crate::harness::{Harness, KeyRow};
+use crate::{BODY, send_all, start};
+
+/// Example keys, base64 of 32 bytes each (never use these).
+const A: &str = "3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+const B: &str = "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=";
+
+fn ring(keys: &str) -> KeyRing {
+    KeyRing::from_base64(keys).expect("a ring")
+}
+
+/// An instance of the harness's settings, sealing as told, with no replay cache:
+/// every answer is read from the table.
+fn instance<H: Harness>(h: &H, sealing: Sealing) -> axum::Router {
+    let store: Idempotency<H::DB> = h
+        .instance_on(h.store().pool().clone())
+        .replay_cache(0)
+        .sealing(sealing)
+        .build()
+        .expect("a sealing instance");
+    router_on::<H>(store)
+}
+
+fn id_of(keys: &str) -> [u8; 8] {
+    *ring(keys).ids().next().expect("a key").as_bytes()
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// What a sealed row must not hold: the handler's body, its headers, the bare
+/// digest of the request's body.
+fn assert_sealed(row: &KeyRow, keys: &str) {
+    assert_eq!(row.state, "completed");
+    assert_eq!(row.status, Some(0), "a sealed record's status is 0");
+    assert!(row.headers.as_deref().unwrap_or_default().is_empty());
+    let body = row.body.as_deref().expect("the sealed record");
+    for plain in [&b"nonce"[..], b"kept", b"application/json", b"location"] {
+        assert!(!contains(body, plain), "{:?} in the table", plain);
+    }
+    assert_eq!(body[1..9], id_of(keys), "sealed under the newest key");
+    let bare = idem_axum::fingerprint(BODY.as_bytes());
+    assert_ne!(row.fingerprint, bare, "a bare digest of the body is stored");
+    assert!(!contains(&row.fingerprint, &bare[..8]));
+    let sha = Sha256::digest(BODY.as_bytes());
+    assert_ne!(row.fingerprint[..], sha[..]);
+    assert_eq!(
+        row.fingerprint[..8],
+        id_of(keys),
+        "keyed under the newest key"
+    );
+}
+
+fn unreadable(got: &Got) -> bool {
+    got.status == 500 && got.problem().as_deref() == Some("record-unreadable")
+}
+
+/// Storms of duplicates on a sealing store execute each key once; the table holds
+/// only sealed records and keyed fingerprints; every retry, through another
+/// instance that reads the table, replays the first answer byte for byte, and a
+/// retry with another body is still told apart.
+pub async fn sealed_records_replay_and_hold_no_plaintext<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let first = instance(&h, Sealing::On(ring(A)));
+    let other = instance(&h, Sealing::On(ring(A)));
+    let keys: Vec<String> = (0..6).map(|n| format!("k-sealed-{n}")).collect();
+    let reqs = keys
+        .iter()
+        .flat_map(|key| (0..4).map(move |_| Req::post("alice", key, BODY)))
+        .collect();
+    let answers = send_all(&first, reqs).await;
+    assert_eq!(h.effects("alice").await, 6, "each key ran once");
+    for (key, sent) in keys.iter().zip(answers.chunks(4)) {
+        assert!(sent.iter().all(|got| [201, 409].contains(&got.status)));
+        let won = sent
+            .iter()
+            .find(|got| got.status == 201)
+            .expect("an answer");
+        let replay = send(&other, &Req::post("alice", key, BODY)).await;
+        assert_eq!(replay.body, won.body, "replays are byte for byte");
+        assert_eq!(replay.header("x-custom"), Some("kept"));
+        let kept = send(&first, &Req::post("alice", key, BODY)).await;
+        assert_eq!(kept.body, won.body);
+        for store in [&first, &other] {
+            let changed = send(store, &Req::post("alice", key, "another body")).await;
+            assert_eq!(changed.status, 422, "{}", changed.text());
+        }
+    }
+    let rows = h.key_rows("alice").await;
+    assert_eq!(rows.len(), 6);
+    for (_, row) in &rows {
+        assert_sealed(row, A);
+    }
+    assert_eq!(h.effects("alice").await, 6, "nothing ran again");
+    h.finish().await;
+}
+
+/// A key added to the ring seals new records while older ones still open and
+/// still match; a key removed leaves its records unreadable, never run again.
+pub async fn rotation_keeps_every_key_answered<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let old = instance(&h, Sealing::On(ring(B)));
+    let first = send(&old, &Req::post("alice", "k-old", BODY)).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+
+    let rotated = instance(&h, Sealing::On(ring(&format!("{A},{B}"))));
+    let replay = send(&rotated, &Req::post("alice", "k-old", BODY)).await;
+    assert_eq!((replay.status, &replay.body), (201, &first.body));
+    let changed = send(&rotated, &Req::post("alice", "k-old", "another body")).await;
+    assert_eq!(changed.status, 422, "{}", changed.text());
+    let new = send(&rotated, &Req::post("alice", "k-new", BODY)).await;
+    assert_eq!(new.status, 201);
+    let rows = h.key_rows("alice").await;
+    assert_sealed(&rows[0].1, A);
+    assert_eq!(rows[0].0, "k-new");
+    assert_sealed(&rows[1].1, B);
+
+    let removed = instance(&h, Sealing::On(ring(A)));
+    for body in [BODY, "another body"] {
+        let got = send(&removed, &Req::post("alice", "k-old", body)).await;
+        assert!(unreadable(&got), "{} {}", got.status, got.text());
+        assert!(!contains(&got.body, b"nonce"));
+    }
+    let still = send(&removed, &Req::post("alice", "k-new", BODY)).await;
+    assert_eq!((still.status, &still.body), (201, &new.body));
+    assert_eq!(h.effects("alice").await, 2, "nothing ran again");
+    h.finish().await;
+}
+
+/// Rows changed by someone with write access to the table: a flipped byte, a
+/// record copied to another key or scope, a fingerprint swapped, a record planted
+/// in plain text. None is replayed, none runs its key again; a store without
+/// sealing refuses sealed records the same way.
+pub async fn changed_records_are_never_replayed<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let sealing = instance(&h, Sealing::On(ring(A)));
+    for (scope, key) in [("alice", "k-1"), ("alice", "k-2"), ("bob", "k-1")] {
+        let got = send(&sealing, &Req::post(scope, key, BODY)).await;
+        assert_eq!(got.status, 201);
+    }
+    let row = |scope: &'static str, key: &'static str| {
+        let h = &h;
+        async move {
+            let rows = h.key_rows(scope).await;
+            let found = rows.into_iter().find(|(k, _)| k == key);
+            found.expect("the row").1
+        }
+    };
+    let k1 = row("alice", "k-1").await;
+    let effects = h.effects("alice").await + h.effects("bob").await;
+
+    // Each change, then what every store answers for the row; the row is put
+    // back after each.
+    let mut flipped = k1.clone();
+    let body = flipped.body.as_mut().expect("a record");
+    let last = body.len() - 20;
+    body[last] ^= 1;
+    let mut swapped = k1.clone();
+    swapped.fingerprint[12] ^= 1;
+    let mut moved_path = k1.clone();
+    moved_path.path = "/other".into();
+    let planted = KeyRow {
+        status: Some(201),
+        headers: Some(b"content-type: text/plain\r\n".to_vec()),
+        body: Some(b"planted".to_vec()),
+        ..k1.clone()
+    };
+    let originals = [
+        ("alice", "k-2", row("alice", "k-2").await),
+        ("bob", "k-1", row("bob", "k-1").await),
+        ("alice", "k-1", k1.clone()),
+    ];
+    let cases: [(&str, &str, &str, &KeyRow); 6] = [
+        ("a flipped byte", "alice", "k-1", &flipped),
+        ("copied to another key", "alice", "k-2", &k1),
+        ("copied to another scope", "bob", "k-1", &k1),
+        ("another fingerprint", "alice", "k-1", &swapped),
+        ("another path", "alice", "k-1", &moved_path),
+        ("planted in plain text", "alice", "k-1", &planted),
+    ];
+    for (case, scope, key, changed) in cases {
+        h.rewrite_row(scope, key, changed).await;
+        let got = send(&sealing, &Req::post(scope, key, BODY)).await;
+        assert!(unreadable(&got), "{case}: {} {}", got.status, got.text());
+        assert!(!contains(&got.body, b"planted"), "{case}");
+        for (scope, key, original) in &originals {
+            h.rewrite_row(scope, key, original).await;
+        }
+    }
+    // Sealing off: a sealed record is refused too.
+    let plain = instance(&h, Sealing::Off);
+    let got = send(&plain, &Req::post("alice", "k-1", BODY)).await;
+    assert!(unreadable(&got), "{} {}", got.status, got.text());
+    // Put back, every row replays again.
+    for (scope, key, _) in &originals {
+        let got = send(&sealing, &Req::post(scope, key, BODY)).await;
+        assert_eq!(got.status, 201, "{scope} {key}: {}", got.text());
+    }
+    let now = h.effects("alice").await + h.effects("bob").await;
+    assert_eq!(now, effects, "no key ran again");
+    h.finish().await;
+}
+
+/// Sealing turned on, then off, in a running deployment: through each transition
+/// every key already stored keeps its answer, and what is written is sealed (or
+/// not) as the transition says.
+pub async fn sealing_turns_on_and_off_without_losing_keys<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let plain = instance(&h, Sealing::Off);
+    let before = send(&plain, &Req::post("alice", "k-plain", BODY)).await;
+    assert_eq!(before.status, 201);
+
+    // Turning on: plain records still replay, new ones are sealed.
+    let turning_on = instance(&h, Sealing::TurningOn(ring(A)));
+    let replay = send(&turning_on, &Req::post("alice", "k-plain", BODY)).await;
+    assert_eq!((replay.status, &replay.body), (201, &before.body));
+    let changed = send(&turning_on, &Req::post("alice", "k-plain", "another body")).await;
+    assert_eq!(changed.status, 422);
+    let during = send(&turning_on, &Req::post("alice", "k-during", BODY)).await;
+    assert_eq!(during.status, 201);
+    let rows = h.key_rows("alice").await;
+    assert_sealed(&rows[0].1, A);
+    assert_eq!(
+        rows[1].1.status,
+        Some(201),
+        "the plain record is left as it is"
+    );
+
+    // On: sealed records replay; the plain one is refused.
+    let on = instance(&h, Sealing::On(ring(A)));
+    let sealed = send(&on, &Req::post("alice", "k-during", BODY)).await;
+    assert_eq!((sealed.status, &sealed.body), (201, &during.body));
+    assert!(unreadable(
+        &send(&on, &Req::post("alice", "k-plain", BODY)).await
+    ));
+
+    // Turning off: sealed records still open, new ones are plain.
+    let turning_off = instance(&h, Sealing::TurningOff(ring(A)));
+    let replay = send(&turning_off, &Req::post("alice", "k-during", BODY)).await;
+    assert_eq!((replay.status, &replay.body), (201, &during.body));
+    let after = send(&turning_off, &Req::post("alice", "k-after", BODY)).await;
+    assert_eq!(after.status, 201);
+    let rows = h.key_rows("alice").await;
+    let after_row = &rows.iter().find(|(k, _)| k == "k-after").expect("row").1;
+    assert_eq!(after_row.status, Some(201));
+    assert_eq!(
+        after_row.fingerprint,
+        idem_axum::fingerprint(BODY.as_bytes())
+    );
+    let off = send(&plain, &Req::post("alice", "k-after", BODY)).await;
+    assert_eq!((off.status, &off.body), (201, &after.body));
+    assert_eq!(h.effects("alice").await, 3, "each key ran once");
+    h.finish().await;
+}

@@ -386,15 +386,24 @@ pub async fn send(app: &Router, req: &Req) -> Got {
 
 /// Runs `once` until its answer is not a serialization failure (the handler's 500
 /// or idem's 503, nothing committed) on a run whose database defaults to
-/// SERIALIZABLE, as a client of such a database must; elsewhere, once.
+/// SERIALIZABLE, as a client of such a database must; elsewhere, once. A 409 right
+/// after such a failure is tried again too, as a client would: each retry is
+/// printed, so that a failing test shows what came before its answer.
 pub async fn retrying_serialization<F: Future<Output = Got>>(mut once: impl FnMut() -> F) -> Got {
     let mut tries = 0;
+    let mut failed = false;
     loop {
         let got = once().await;
         tries += 1;
-        if !(serializable_run() && is_serialization_failure(got.status, &got.body)) || tries > 50 {
+        if tries > 1 {
+            eprintln!("retry {tries}: {} {}", got.status, got.text());
+        }
+        let serialization = is_serialization_failure(got.status, &got.body);
+        let again = serialization || (failed && got.status == 409);
+        if !(serializable_run() && again) || tries > 50 {
             return got;
         }
+        failed |= serialization;
         tokio::time::sleep(Duration::from_millis(5 * tries)).await;
     }
 }

@@ -27,7 +27,7 @@ use crate::multipart::InvalidMultipart;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
-use crate::seal::{SealError, Sealed, Unreadable, sealed_by};
+use crate::seal::{Plain, SealError, Sealed, Unreadable, sealed_by};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 use crate::tx::{Open, Tx};
@@ -1161,7 +1161,13 @@ impl<DB: Backend> Idempotency<DB> {
             content_type: Some(id.content_type),
             fingerprint: &id.fingerprint,
         };
-        Some(ring.seal(&row, status.as_u16(), headers, body))
+        let response = Plain {
+            status: status.as_u16(),
+            digest: id.body_digest,
+            headers,
+            body,
+        };
+        Some(ring.seal(&row, &response))
     }
 
     /// `found` as this store may replay it: a sealed record opened, or marked

@@ -10,7 +10,10 @@
 //! random nonces allow about 2^32 records per key.
 //!
 //! A sealed record is `version ‖ key id ‖ nonce ‖ ciphertext ‖ tag`, over
-//! `status ‖ headers' length ‖ headers ‖ body`. Its associated data is the
+//! `status ‖ body digest ‖ headers' length ‖ headers ‖ body`. The request body's
+//! digest rides inside, never in the clear, so that a record re-sealed under a
+//! new key gets its fingerprint keyed anew: once every record is, the old key
+//! can leave the ring. Its associated data is the
 //! version, the key id and the row's identity (scope, key, method, path, content
 //! type and stored fingerprint, each length-prefixed), so a row copied to another
 //! scope or key, or given another request's fingerprint, does not open.
@@ -34,6 +37,8 @@ const ID_LEN: usize = 8;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
 const HEAD_LEN: usize = 1 + ID_LEN + NONCE_LEN;
+/// Status, body digest and headers' length, before the headers.
+const PLAIN_HEAD_LEN: usize = 2 + 32 + 4;
 /// HKDF's salts: the ring's keys are used by idem alone, and a raw key and a
 /// secret of the same bytes are two keys.
 const KEY_SALT: &[u8] = b"idem key ring v1: key";
@@ -273,38 +278,43 @@ impl KeyRing {
         self.keys.iter().find(|key| key.id == id)
     }
 
-    /// Seals a response for the record of `identity` under the newest key.
+    /// Seals a response for the record of `identity` under the newest key, with
+    /// the unkeyed `digest` of the request's body.
     ///
     /// # Errors
     /// The operating system gave no random nonce, or the headers pass 4 GiB.
     pub(crate) fn seal(
         &self,
         identity: &Sealed<'_>,
-        status: u16,
-        headers: &[u8],
-        body: &[u8],
+        response: &Plain<'_>,
     ) -> Result<Vec<u8>, SealError> {
         let mut nonce = [0; NONCE_LEN];
         getrandom::fill(&mut nonce).map_err(SealError::Random)?;
-        self.seal_with_nonce(identity, nonce, status, headers, body)
+        self.seal_with_nonce(identity, nonce, response)
     }
 
     fn seal_with_nonce(
         &self,
         identity: &Sealed<'_>,
         nonce: [u8; NONCE_LEN],
-        status: u16,
-        headers: &[u8],
-        body: &[u8],
+        response: &Plain<'_>,
     ) -> Result<Vec<u8>, SealError> {
+        let Plain {
+            status,
+            digest,
+            headers,
+            body,
+        } = *response;
         let key = self.newest();
         let headers_len = u32::try_from(headers.len()).map_err(|_| SealError::TooLarge)?;
         // Sealed in place: the body is copied once, into the record.
-        let mut out = Vec::with_capacity(HEAD_LEN + 6 + headers.len() + body.len() + TAG_LEN);
+        let mut out =
+            Vec::with_capacity(HEAD_LEN + PLAIN_HEAD_LEN + headers.len() + body.len() + TAG_LEN);
         out.push(VERSION);
         out.extend_from_slice(&key.id.0);
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&status.to_be_bytes());
+        out.extend_from_slice(digest);
         out.extend_from_slice(&headers_len.to_be_bytes());
         out.extend_from_slice(headers);
         out.extend_from_slice(body);
@@ -539,23 +549,36 @@ impl Sealed<'_> {
     }
 }
 
+/// What is sealed: a response, and the digest of the request's body.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plain<'a> {
+    pub(crate) status: u16,
+    /// The request body's digest, unkeyed.
+    pub(crate) digest: &'a [u8; 32],
+    pub(crate) headers: &'a [u8],
+    pub(crate) body: &'a [u8],
+}
+
 /// A sealed record, opened.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct OpenedResponse {
     pub(crate) status: u16,
+    pub(crate) digest: [u8; 32],
     pub(crate) headers: Vec<u8>,
     pub(crate) body: Vec<u8>,
 }
 
 impl OpenedResponse {
     fn parse(mut plain: Vec<u8>) -> Option<Self> {
-        let status = u16::from_be_bytes(plain.get(..2)?.try_into().ok()?);
-        let headers_len = u32::from_be_bytes(plain.get(2..6)?.try_into().ok()?);
-        let headers_end = 6usize.checked_add(usize::try_from(headers_len).ok()?)?;
-        let headers = plain.get(6..headers_end)?.to_vec();
+        let status = u16::from_be_bytes(*plain.first_chunk::<2>()?);
+        let digest = *plain.get(2..)?.first_chunk::<32>()?;
+        let headers_len = u32::from_be_bytes(*plain.get(34..)?.first_chunk::<4>()?);
+        let headers_end = PLAIN_HEAD_LEN.checked_add(usize::try_from(headers_len).ok()?)?;
+        let headers = plain.get(PLAIN_HEAD_LEN..headers_end)?.to_vec();
         plain.drain(..headers_end);
         Some(Self {
             status,
+            digest,
             headers,
             body: plain,
         })
@@ -658,6 +681,15 @@ mod tests {
     const A: &str = "3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
     const B: &str = "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=";
 
+    fn plain<'a>(status: u16, headers: &'a [u8], body: &'a [u8]) -> Plain<'a> {
+        Plain {
+            status,
+            digest: &[7; 32],
+            headers,
+            body,
+        }
+    }
+
     fn identity<'a>(scope: &'a str, key: &'a str) -> Sealed<'a> {
         Sealed {
             scope,
@@ -739,9 +771,7 @@ mod tests {
             .seal_with_nonce(
                 &identity("alice", "k-1"),
                 [9; NONCE_LEN],
-                201,
-                b"a: b\r\n",
-                b"{}",
+                &plain(201, b"a: b\r\n", b"{}"),
             )
             .expect("sealed");
         assert_eq!(hex(&sealed), KNOWN_RECORD);
@@ -752,9 +782,10 @@ mod tests {
             (opened.status, &opened.headers[..], &opened.body[..]),
             (201, &b"a: b\r\n"[..], &b"{}"[..])
         );
+        assert_eq!(opened.digest, [7; 32]);
         // Nothing at all is sealed too.
         let empty = ring
-            .seal(&identity("alice", "k-2"), 204, b"", b"")
+            .seal(&identity("alice", "k-2"), &plain(204, b"", b""))
             .expect("sealed");
         let opened = ring.open(&identity("alice", "k-2"), &empty).expect("opens");
         assert_eq!(
@@ -767,7 +798,7 @@ mod tests {
     fn a_record_relabelled_with_another_key_of_the_ring_does_not_open() {
         let ring = KeyRing::from_base64(&format!("{A},{B}")).expect("ring");
         let id = identity("alice", "k-1");
-        let mut sealed = ring.seal(&id, 200, b"", b"ok").expect("sealed");
+        let mut sealed = ring.seal(&id, &plain(200, b"", b"ok")).expect("sealed");
         let b_id = ring.ids().nth(1).expect("two keys");
         sealed[1..1 + ID_LEN].copy_from_slice(b_id.as_bytes());
         assert_eq!(ring.open(&id, &sealed), Err(Unsealable::Tampered(b_id)));
@@ -786,8 +817,10 @@ mod tests {
         "01",                                               // version
         "92bfd512f7926b1d",                                 // key id
         "090909090909090909090909090909090909090909090909", // nonce
-        "f5c158931c486c49a91c12f4110c",                     // ciphertext
-        "2e97f0da906175b48b89e93cb418913a",                 // tag
+        // ciphertext
+        "f5c15f941b490a748e7918f96d7614d4f7bfca6297851d989c88fb9fcedc533b",
+        "f752fc7d5669b222be26163372a7",
+        "5d9afe7a8304db126048d0c657cb5efd", // tag
     );
 
     #[test]
@@ -797,9 +830,11 @@ mod tests {
         let sealed = ring
             .seal(
                 &id,
-                201,
-                b"content-type: application/json\r\n",
-                b"{\"card\":\"4242\"}",
+                &plain(
+                    201,
+                    b"content-type: application/json\r\n",
+                    b"{\"card\":\"4242\"}",
+                ),
             )
             .expect("sealed");
         assert!(!sealed.windows(4).any(|w| w == b"4242"));
@@ -860,9 +895,11 @@ mod tests {
             sealed,
             ring.seal(
                 &id,
-                201,
-                b"content-type: application/json\r\n",
-                b"{\"card\":\"4242\"}"
+                &plain(
+                    201,
+                    b"content-type: application/json\r\n",
+                    b"{\"card\":\"4242\"}"
+                )
             )
             .expect("sealed")
         );
@@ -874,7 +911,7 @@ mod tests {
         let rotated = KeyRing::from_base64(&format!("{A},{B}")).expect("ring");
         let removed = KeyRing::from_base64(A).expect("ring");
         let id = identity("alice", "k-1");
-        let sealed = old.seal(&id, 200, b"", b"ok").expect("sealed");
+        let sealed = old.seal(&id, &plain(200, b"", b"ok")).expect("sealed");
         assert_eq!(rotated.open(&id, &sealed).expect("opens").body, b"ok");
         let b_id = old.ids().next().expect("a key");
         assert_eq!(
@@ -884,7 +921,7 @@ mod tests {
         // New records are sealed under the newest key.
         let a_id = removed.ids().next().expect("a key");
         assert_eq!(
-            sealed_by(&rotated.seal(&id, 200, b"", b"ok").expect("sealed")),
+            sealed_by(&rotated.seal(&id, &plain(200, b"", b"ok")).expect("sealed")),
             Some(a_id)
         );
     }

@@ -116,7 +116,7 @@ use axum::routing::{MethodRouter, get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::rt::TokioIo;
-use idem_axum::{Idempotency, Tx, idempotent};
+use idem_axum::{Idempotency, KeyRing, Sealing, Tx, idempotent};
 use sqlx::mysql::{MySqlConnection, MySqlPoolOptions};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{
@@ -837,6 +837,10 @@ async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
     }
     if variant == "idem-uncached" {
         idempotency = idempotency.replay_cache(0);
+    }
+    if variant == "idem-sealed" {
+        let ring = KeyRing::from_keys([&[7; 32]])?;
+        idempotency = idempotency.sealing(Sealing::On(ring));
     }
     let idempotency = DB::tune(idempotency);
     let app = App {
@@ -2172,7 +2176,8 @@ fn main() {
 /// `--paired a,b`: the two variants served at once, each by its own server with
 /// half the connections, so that whatever the machine does meanwhile lands on
 /// both; `b`'s rate over `a`'s, per round, and each server's CPU time per request.
-/// New keys only (`bare`, `hand-written`, `idem-first`; on PostgreSQL also
+/// New keys only (`bare`, `hand-written`, `idem-first`, `idem-first-sealed` with
+/// sealing on; on PostgreSQL also
 /// `hand-written-minimal`, the floor without the savepoint and the timeouts, and
 /// `hand-written-guarded`, the floor with idem's session lock and saves; on
 /// MySQL `hand-written-previous`, the floor of the design before the claim's
@@ -2188,6 +2193,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         "hand-written-parts" => Some(("hand-written-parts", "hand-written-parts")),
         "hand-written-row" => Some(("hand-written-row", "hand-written-row")),
         "idem-first" => Some(("idem-first", "idem")),
+        "idem-first-sealed" => Some(("idem-first-sealed", "idem-sealed")),
         _ => None,
     };
     let Some((a, b)) = pair
@@ -2197,7 +2203,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
         eprintln!(
             "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL, MySQL), \
              hand-written-guarded (PostgreSQL), hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
-             idem-first: {pair:?}"
+             idem-first, idem-first-sealed: {pair:?}"
         );
         return;
     };

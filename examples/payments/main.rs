@@ -13,7 +13,10 @@
 //! for `demo`, any free port), `PROVIDER_LATENCY_MS` (default 300; for `demo`, 25),
 //! `PROVIDER_DATABASE_URL` (where the fake provider keeps its charges, a database of
 //! the same kind; default `DATABASE_URL`, or on SQLite a file beside it: a provider
-//! is another company's system, and a failover of yours does not take its charges).
+//! is another company's system, and a failover of yours does not take its charges),
+//! `PAYMENTS_SEAL_KEYS` (a key ring: standard base64 of 32-byte keys, newest first,
+//! separated by commas; recorded answers are then sealed at rest, see
+//! `idem_axum::Sealing`; a malformed ring stops the start).
 //!
 //! SIGTERM or Ctrl-C shuts it down gracefully (`idem_axum::Shutdown`): payments in flight
 //! finish and are recorded, new ones are answered 503 `shutting-down` until it exits.
@@ -65,7 +68,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem_axum::utoipa::{KeyHeader, ReplaysWithTtl};
-use idem_axum::{Idempotency, IdempotencyKey, Scope, Shutdown, Tx, idempotent};
+use idem_axum::{Idempotency, IdempotencyKey, KeyRing, Scope, Sealing, Shutdown, Tx, idempotent};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
 use sqlx::Pool;
@@ -117,9 +120,11 @@ impl<DB: Ledger> App<DB> {
         pool: Pool<DB>,
         provider: Pool<DB>,
         latency: Duration,
+        sealing: Sealing,
     ) -> Result<(Router, Shutdown), sqlx::Error> {
         let idempotency = DB::settings(Idempotency::builder(pool))
             .problem_base("https://payments.example/problems/")
+            .sealing(sealing)
             .build()
             .map_err(|e| sqlx::Error::Configuration(e.into()))?;
         idempotency.migrate().await?;
@@ -380,6 +385,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let latency = Duration::from_millis(latency);
     let provider_url = std::env::var("PROVIDER_DATABASE_URL").ok();
+    // Recorded answers hold card details: sealed at rest when a key ring is given
+    // (standard base64 of 32-byte keys, newest first, separated by commas). A
+    // malformed ring stops the start, never runs unsealed.
+    let sealing = match std::env::var("PAYMENTS_SEAL_KEYS") {
+        Ok(keys) => Sealing::On(
+            KeyRing::from_base64(&keys).map_err(|e| format!("PAYMENTS_SEAL_KEYS: {e}"))?,
+        ),
+        Err(std::env::VarError::NotPresent) => Sealing::Off,
+        Err(error) => return Err(format!("PAYMENTS_SEAL_KEYS: {error}").into()),
+    };
+    let sealed = matches!(sealing, Sealing::On(_));
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     let addr = listener.local_addr()?;
 
@@ -399,7 +415,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .connect(&provider_url.unwrap_or_else(|| url.clone()))
                 .await?;
             (
-                App::<Postgres>::start(pool, provider, latency).await?,
+                App::<Postgres>::start(pool, provider, latency, sealing).await?,
                 "PostgreSQL",
             )
         }
@@ -416,7 +432,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .connect(provider.as_deref().unwrap_or(&url))
                 .await?;
             (
-                App::<MySql>::start(pool, provider, latency).await?,
+                App::<MySql>::start(pool, provider, latency, sealing).await?,
                 "MySQL/MariaDB",
             )
         }
@@ -436,7 +452,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let pool = sqlite_pool(options, 8).await?;
             let provider = sqlite_pool(provider, 2).await?;
             (
-                App::<Sqlite>::start(pool, provider, latency).await?,
+                App::<Sqlite>::start(pool, provider, latency, sealing).await?,
                 "SQLite",
             )
         }
@@ -448,7 +464,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("payments demo on {backend}");
         return demo::run(listener, app).await;
     }
-    println!("payments: listening on http://{addr} ({backend}, {url})");
+    let sealed = if sealed { ", responses sealed" } else { "" };
+    println!("payments: listening on http://{addr} ({backend}, {url}{sealed})");
     println!("try:");
     println!(
         "  curl -i -X POST http://{addr}/payments -H 'Authorization: Bearer alice' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{\"amount\": 1200, \"currency\": \"JPY\", \"to\": \"bob\"}}'"

@@ -388,10 +388,13 @@ fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
 /// answered 500 [`RecordUnreadable`](crate::Problem::RecordUnreadable) and its
 /// key is not run again. Request bodies are never stored, sealed or not.
 ///
-/// The two transitions let a running deployment change without leaving keys
-/// unanswerable: every instance moves to the transition first, then, once the
-/// records written before it are gone (re-sealed by `idem reseal`, or past
-/// their ttl), to where it is going.
+/// Between [`Off`](Self::Off) and [`On`](Self::On) lie two steps, so that a
+/// running deployment changes without a key left unanswerable: no instance ever
+/// writes a record another cannot read. Turning sealing on: every instance moves
+/// to [`OpensSealed`](Self::OpensSealed), then every instance to
+/// [`SealsNew`](Self::SealsNew), then, once the longest `ttl` has passed (the
+/// records in plain text have expired), to `On`. Turning it off is the same
+/// ladder down. A step starts once every instance runs the one before.
 ///
 /// # Examples
 ///
@@ -414,30 +417,30 @@ pub enum Sealing {
     /// body; a sealed record is refused, as it cannot be opened. The default.
     #[default]
     Off,
+    /// Records are written in plain text; sealed records open too. The first
+    /// step on, the last step off.
+    OpensSealed(KeyRing),
+    /// Records are written sealed; records in plain text are still replayed.
+    /// The second step on, the first step off.
+    SealsNew(KeyRing),
     /// Responses are sealed and fingerprints keyed; a record in plain text is
     /// refused.
     On(KeyRing),
-    /// On its way to [`On`](Self::On): records are written sealed, and records
-    /// in plain text, written before, are still replayed.
-    TurningOn(KeyRing),
-    /// On its way to [`Off`](Self::Off): records are written in plain text,
-    /// and sealed ones, written before, still open.
-    TurningOff(KeyRing),
 }
 
 impl Sealing {
     /// The ring that seals what is written now.
     pub(crate) fn writer(&self) -> Option<&KeyRing> {
         match self {
-            Self::On(ring) | Self::TurningOn(ring) => Some(ring),
-            Self::Off | Self::TurningOff(_) => None,
+            Self::On(ring) | Self::SealsNew(ring) => Some(ring),
+            Self::Off | Self::OpensSealed(_) => None,
         }
     }
 
     /// The ring that opens what was written.
     pub(crate) fn ring(&self) -> Option<&KeyRing> {
         match self {
-            Self::On(ring) | Self::TurningOn(ring) | Self::TurningOff(ring) => Some(ring),
+            Self::On(ring) | Self::SealsNew(ring) | Self::OpensSealed(ring) => Some(ring),
             Self::Off => None,
         }
     }

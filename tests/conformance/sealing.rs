@@ -210,54 +210,66 @@ pub async fn changed_records_are_never_replayed<H: Harness>() {
     h.finish().await;
 }
 
-/// Sealing turned on, then off, in a running deployment: through each transition
-/// every key already stored keeps its answer, and what is written is sealed (or
-/// not) as the transition says.
+/// Sealing turned on, then off, in a running deployment, one step at a time:
+/// instances of two adjacent steps run side by side, and each answers every key
+/// the other stored; what each writes is sealed (or not) as its step says.
 pub async fn sealing_turns_on_and_off_without_losing_keys<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
-    let plain = instance(&h, Sealing::Off);
-    let before = send(&plain, &Req::post("alice", "k-plain", BODY)).await;
-    assert_eq!(before.status, 201);
-
-    // Turning on: plain records still replay, new ones are sealed.
-    let turning_on = instance(&h, Sealing::TurningOn(ring(A)));
-    let replay = send(&turning_on, &Req::post("alice", "k-plain", BODY)).await;
-    assert_eq!((replay.status, &replay.body), (201, &before.body));
-    let changed = send(&turning_on, &Req::post("alice", "k-plain", "another body")).await;
-    assert_eq!(changed.status, 422);
-    let during = send(&turning_on, &Req::post("alice", "k-during", BODY)).await;
-    assert_eq!(during.status, 201);
-    let rows = h.key_rows("alice").await;
-    assert_sealed(&rows[0].1, A);
-    assert_eq!(
-        rows[1].1.status,
-        Some(201),
-        "the plain record is left as it is"
-    );
-
-    // On: sealed records replay; the plain one is refused.
-    let on = instance(&h, Sealing::On(ring(A)));
-    let sealed = send(&on, &Req::post("alice", "k-during", BODY)).await;
-    assert_eq!((sealed.status, &sealed.body), (201, &during.body));
-    assert!(unreadable(
-        &send(&on, &Req::post("alice", "k-plain", BODY)).await
-    ));
-
-    // Turning off: sealed records still open, new ones are plain.
-    let turning_off = instance(&h, Sealing::TurningOff(ring(A)));
-    let replay = send(&turning_off, &Req::post("alice", "k-during", BODY)).await;
-    assert_eq!((replay.status, &replay.body), (201, &during.body));
-    let after = send(&turning_off, &Req::post("alice", "k-after", BODY)).await;
-    assert_eq!(after.status, 201);
-    let rows = h.key_rows("alice").await;
-    let after_row = &rows.iter().find(|(k, _)| k == "k-after").expect("row").1;
-    assert_eq!(after_row.status, Some(201));
-    assert_eq!(
-        after_row.fingerprint,
-        idem_axum::fingerprint(BODY.as_bytes())
-    );
-    let off = send(&plain, &Req::post("alice", "k-after", BODY)).await;
-    assert_eq!((off.status, &off.body), (201, &after.body));
-    assert_eq!(h.effects("alice").await, 3, "each key ran once");
+    let steps = [
+        ("off", instance(&h, Sealing::Off), false),
+        (
+            "opens sealed",
+            instance(&h, Sealing::OpensSealed(ring(A))),
+            false,
+        ),
+        ("seals new", instance(&h, Sealing::SealsNew(ring(A))), true),
+        ("on", instance(&h, Sealing::On(ring(A))), true),
+    ];
+    // Up the ladder, then down: each pair of neighbours, both ways round.
+    let mut answers: Vec<(String, Got)> = Vec::new();
+    let order = [0, 1, 2, 3, 2, 1, 0];
+    for (n, pair) in order.windows(2).enumerate() {
+        let (writer, reader) = (&steps[pair[0]], &steps[pair[1]]);
+        for (from, to) in [(writer, reader), (reader, writer)] {
+            let key = format!("k-{n}-{}", from.0.replace(' ', "-"));
+            let first = send(&from.1, &Req::post("alice", &key, BODY)).await;
+            assert_eq!(first.status, 201, "{key}: {}", first.text());
+            let replay = send(&to.1, &Req::post("alice", &key, BODY)).await;
+            assert_eq!(
+                replay.body, first.body,
+                "{key} written by {}, read by {}",
+                from.0, to.0
+            );
+            let changed = send(&to.1, &Req::post("alice", &key, "another body")).await;
+            assert_eq!(changed.status, 422, "{key}: {}", changed.text());
+            let rows = h.key_rows("alice").await;
+            let row = &rows.iter().find(|(k, _)| *k == key).expect("its row").1;
+            if from.2 {
+                assert_sealed(row, A);
+            } else {
+                assert_eq!(row.status, Some(201), "{key} is written in plain text");
+                assert_eq!(row.fingerprint, idem_axum::fingerprint(BODY.as_bytes()));
+            }
+            answers.push((key, first));
+        }
+    }
+    // At the ends: `On` refuses what is plain, `Off` what is sealed.
+    for (key, first) in &answers {
+        let sealed = h
+            .key_rows("alice")
+            .await
+            .iter()
+            .any(|(k, row)| k == key && row.status == Some(0));
+        for (name, store, seals) in &steps {
+            let got = send(store, &Req::post("alice", key, BODY)).await;
+            let refused = (*name == "on" && !sealed) || (*name == "off" && sealed);
+            if refused {
+                assert!(unreadable(&got), "{key} read by {name}: {}", got.text());
+            } else {
+                assert_eq!(got.body, first.body, "{key} read by {name} ({seals})");
+            }
+        }
+    }
+    assert_eq!(h.effects("alice").await, 12, "each of 12 keys ran once");
     h.finish().await;
 }

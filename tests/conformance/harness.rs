@@ -222,6 +222,27 @@ macro_rules! dynamic_sql {
                 .await
                 .expect("script");
         }
+
+        async fn rewrite_row(&self, scope: &str, key: &str, row: &KeyRow) {
+            let sql = "UPDATE idempotency_keys SET state = $1, method = $2, path = $3, \
+                           fingerprint = $4, status = $5, headers = $6, body = $7 \
+                       WHERE scope = $8 AND idempotency_key = $9";
+            let done = sqlx::query(sqlx::AssertSqlSafe($sql(sql)))
+                .persistent(false)
+                .bind(&row.state)
+                .bind(&row.method)
+                .bind(&row.path)
+                .bind(&row.fingerprint)
+                .bind(row.status)
+                .bind(&row.headers)
+                .bind(&row.body)
+                .bind(scope)
+                .bind(key)
+                .execute(&self.$pool)
+                .await
+                .expect("rewrite a row");
+            assert_eq!(done.rows_affected(), 1, "{scope} {key}");
+        }
     };
 }
 

@@ -380,27 +380,6 @@ impl Harness for My {
             .collect()
     }
 
-    async fn rewrite_row(&self, scope: &str, key: &str, row: &KeyRow) {
-        let done = sqlx::query(
-            "UPDATE idempotency_keys SET state = ?, method = ?, path = ?, fingerprint = ?, \
-                 status = ?, headers = ?, body = ? \
-             WHERE scope = ? AND idempotency_key = ?",
-        )
-        .bind(&row.state)
-        .bind(&row.method)
-        .bind(&row.path)
-        .bind(&row.fingerprint)
-        .bind(row.status)
-        .bind(&row.headers)
-        .bind(&row.body)
-        .bind(scope)
-        .bind(key)
-        .execute(&self.plain)
-        .await
-        .expect("rewrite a row");
-        assert_eq!(done.rows_affected(), 1, "{scope} {key}");
-    }
-
     async fn insert_stale_claim(
         &self,
         scope: &str,

@@ -292,27 +292,6 @@ impl<const PARTITIONED: bool> Harness for PgLayout<PARTITIONED> {
             .collect()
     }
 
-    async fn rewrite_row(&self, scope: &str, key: &str, row: &KeyRow) {
-        let done = sqlx::query(
-            "UPDATE idempotency_keys SET state = $3, method = $4, path = $5, fingerprint = $6, \
-                 status = $7, headers = $8, body = $9 \
-             WHERE scope = $1 AND idempotency_key = $2",
-        )
-        .bind(scope)
-        .bind(key)
-        .bind(&row.state)
-        .bind(&row.method)
-        .bind(&row.path)
-        .bind(&row.fingerprint)
-        .bind(row.status.map(|s| i16::try_from(s).expect("a status")))
-        .bind(&row.headers)
-        .bind(&row.body)
-        .execute(&self.direct)
-        .await
-        .expect("rewrite a row");
-        assert_eq!(done.rows_affected(), 1, "{scope} {key}");
-    }
-
     async fn insert_stale_claim(
         &self,
         scope: &str,

@@ -322,8 +322,8 @@ pub use idem_runtime::{
     Forgotten, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED,
     Idempotency, IdempotencyKey, InFlight, InvalidJson, InvalidKey, InvalidOptions, KeyId,
     KeyRecord, KeyRing, KeyRingError, MAX_KEY_LEN, Options, Outcome, Problem, RequestIdentity,
-    Scope, Sealing, Shutdown, Sweep, SweepReport, Tx, fingerprint, json_fingerprint, migration_sql,
-    migration_steps,
+    Reseal, ResealReport, Scope, Sealing, Shutdown, Sweep, SweepReport, Tx, fingerprint,
+    json_fingerprint, migration_sql, migration_steps,
 };
 
 #[cfg(feature = "postgres")]

@@ -5,6 +5,7 @@
 //! idem show --scope user-7 order-42      # one key's record in one scope
 //! idem forget --scope user-7 order-42    # its next request runs again
 //! idem sweep --batch 500                 # delete expired keys now
+//! IDEM_SEAL_KEYS=... idem reseal         # sealed records under the ring's newest key
 //! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
 //! idem migration postgres > migrations/20261201_idempotency_keys.sql
 //! idem migration --since 1 postgres      # only what came after your first one
@@ -12,6 +13,11 @@
 //!
 //! `DATABASE_URL` comes from `--database-url`, the environment, or a `.env` file in
 //! the current directory or one above it, read as sqlx-cli reads it (`dotenvy`).
+//! A key ring, for stores that seal their records, comes from `IDEM_SEAL_KEYS` or
+//! the file `--seal-keys-file` names (never from the command line, which other
+//! users of the machine can read): standard base64 of 32-byte keys, newest first,
+//! separated by commas, as `KeyRing::from_base64` reads it; a file's one trailing
+//! newline is dropped.
 //! Exit status: 0 done; 1 failed (the database could not be reached or refused, or
 //! the key has no record to show or forget); 2 the command line was wrong; 3
 //! `forget` deleted nothing because the key is in flight (or its record changed
@@ -25,7 +31,8 @@ use std::time::Duration;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use idem_runtime::{
-    Backend, DEFAULT_TABLE, Forgotten, Idempotency, InFlight, KeyRecord, Sweep, migration_steps,
+    Backend, DEFAULT_TABLE, Forgotten, Idempotency, InFlight, KeyRecord, KeyRing, Reseal, Sealing,
+    Sweep, migration_steps,
 };
 use sqlx::pool::PoolOptions;
 use sqlx::{Connection, Database, MySql, Pool, Postgres, Sqlite};
@@ -51,6 +58,10 @@ struct Cli {
     /// The table uses PostgreSQL's layout partitioned by day.
     #[arg(long, global = true)]
     partitioned: bool,
+    /// A file holding the key ring that opens sealed records (else
+    /// `IDEM_SEAL_KEYS`).
+    #[arg(long, global = true, value_name = "PATH")]
+    seal_keys_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -115,6 +126,29 @@ enum Command {
         /// Milliseconds between batches.
         #[arg(long, default_value_t = 0)]
         pause: u64,
+    },
+    /// Seal stored records anew under the key ring's newest key.
+    ///
+    /// After a rotation (the new key first in the ring, the old ones after it):
+    /// every completed record is sealed anew, and its fingerprint keyed anew,
+    /// under the newest key, in batches that lock nothing and writes of one row
+    /// each, beside the running service. Once it has caught up, with no record
+    /// left unreadable, the old keys can leave the ring. Needs the ring
+    /// (`IDEM_SEAL_KEYS` or `--seal-keys-file`).
+    Reseal {
+        /// Records read per batch.
+        #[arg(long, default_value_t = 500)]
+        batch: u32,
+        /// Seconds the whole run may take.
+        #[arg(long, default_value_t = 600)]
+        budget: u64,
+        /// Milliseconds between batches.
+        #[arg(long, default_value_t = 0)]
+        pause: u64,
+        /// Also seal records stored in plain text (turning sealing on, once every
+        /// instance seals new records): only where they are known to be idem's.
+        #[arg(long)]
+        plain: bool,
     },
     /// Create the days ahead and drop ended days (PostgreSQL, partitioned layout).
     ///
@@ -325,6 +359,7 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         database_url,
         table,
         partitioned,
+        seal_keys_file,
         command,
     } = cli;
     if let Command::Migration { backend, since } = command {
@@ -354,12 +389,24 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         }
         return Ok(out);
     }
+    let ring = key_ring(seal_keys_file.as_deref())?;
+    // `reseal` writes under the ring's newest key; every other command only opens.
+    let sealing = match (ring, &command) {
+        (Some(ring), Command::Reseal { .. }) => Sealing::On(ring),
+        (Some(ring), _) => Sealing::OpensSealed(ring),
+        (None, Command::Reseal { .. }) => {
+            return Err(Fail::Usage(
+                "reseal needs the key ring: set IDEM_SEAL_KEYS, or pass --seal-keys-file".into(),
+            ));
+        }
+        (None, _) => Sealing::Off,
+    };
     let url = database_url.ok_or_else(|| {
         Fail::Usage("no database: pass --database-url, or set DATABASE_URL (or in .env)".into())
     })?;
     if url.starts_with("postgres:") || url.starts_with("postgresql:") {
         let pool = connect::<Postgres>(&url).await?;
-        let mut builder = Idempotency::builder(pool).table(&table);
+        let mut builder = Idempotency::builder(pool).table(&table).sealing(sealing);
         if partitioned {
             builder = builder.partitioned_by_day();
         }
@@ -381,11 +428,17 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         Ok(out)
     } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
         let pool = connect::<MySql>(&url.replacen("mariadb:", "mysql:", 1)).await?;
-        let store = Idempotency::builder(pool).table(&table).build()?;
+        let store = Idempotency::builder(pool)
+            .table(&table)
+            .sealing(sealing)
+            .build()?;
         dispatch(&store, command).await
     } else if url.starts_with("sqlite:") {
         let pool = connect::<Sqlite>(&url).await?;
-        let store = Idempotency::builder(pool).table(&table).build()?;
+        let store = Idempotency::builder(pool)
+            .table(&table)
+            .sealing(sealing)
+            .build()?;
         dispatch(&store, command).await
     } else {
         Err(Fail::Usage(format!(
@@ -413,6 +466,19 @@ async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Res
                 .budget(Duration::from_secs(budget))
                 .pause(Duration::from_millis(pause));
             sweep(store, settings).await
+        }
+        Command::Reseal {
+            batch,
+            budget,
+            pause,
+            plain,
+        } => {
+            let settings = Reseal::new()
+                .batch(batch)
+                .budget(Duration::from_secs(budget))
+                .pause(Duration::from_millis(pause))
+                .plain(plain);
+            reseal(store, settings).await
         }
         Command::Partitions { .. } => Err(Fail::Usage(
             "partitions need a PostgreSQL table of the partitioned layout".into(),
@@ -633,6 +699,17 @@ fn describe(out: &mut String, record: &KeyRecord) {
     if let Some(status) = record.status {
         let _ = writeln!(out, "status:      {status}");
     }
+    if let Some(id) = record.sealed_by {
+        let _ = writeln!(out, "sealed:      under key {id}");
+    }
+    if let Some(why) = &record.unreadable {
+        let _ = writeln!(out, "not replayed: {why}");
+        if record.sealed_by.is_some() && record.body.is_empty() {
+            out.push_str(
+                "             (IDEM_SEAL_KEYS or --seal-keys-file give the ring that opens it)\n",
+            );
+        }
+    }
     let _ = writeln!(out, "age:         {}", millis(record.age_ms));
     // A lock means something only while the key is claimed.
     if record.state == "processing" {
@@ -645,10 +722,60 @@ fn describe(out: &mut String, record: &KeyRecord) {
             let _ = writeln!(out, "  {line}");
         }
     }
-    if record.state == "completed" {
+    let unopened = record.sealed_by.is_some() && record.unreadable.is_some();
+    if record.state == "completed" && !unopened {
         let _ = writeln!(out, "body ({} bytes):", record.body.len());
         let _ = writeln!(out, "  {}", String::from_utf8_lossy(&record.body));
     }
+}
+
+/// The key ring from `--seal-keys-file` or `IDEM_SEAL_KEYS`, if either is given.
+fn key_ring(file: Option<&std::path::Path>) -> Result<Option<KeyRing>, Fail> {
+    let text = match file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Fail::Usage(format!("--seal-keys-file {}: {e}", path.display())))?;
+            // The one newline an editor or `echo` leaves; anything else is refused.
+            let text = text.strip_suffix('\n').unwrap_or(&text);
+            Some(text.strip_suffix('\r').unwrap_or(text).to_owned())
+        }
+        None => match std::env::var("IDEM_SEAL_KEYS") {
+            Ok(text) => Some(text),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(error) => return Err(Fail::Usage(format!("IDEM_SEAL_KEYS: {error}"))),
+        },
+    };
+    text.map(|text| KeyRing::from_base64(&text).map_err(|e| Fail::Usage(e.to_string())))
+        .transpose()
+}
+
+async fn reseal<DB: Backend>(store: &Idempotency<DB>, settings: Reseal) -> Result<String, Fail> {
+    let report = store.reseal(settings).await?;
+    let mut out = format!(
+        "read {} records: {} sealed anew, {} already current, {} in plain text left, \
+         {} unreadable left, {} replaced meanwhile; {:.1} s\n",
+        report.read,
+        report.resealed,
+        report.current,
+        report.plain,
+        report.unreadable,
+        report.changed,
+        report.elapsed.as_secs_f64(),
+    );
+    if !report.caught_up {
+        out.push_str("budget spent: more remain, run it again\n");
+    } else if report.unreadable > 0 {
+        out.push_str(
+            "records that do not open with this ring remain: keep the old keys until they \
+             expire, or restore the key they name (idem show)\n",
+        );
+    } else {
+        out.push_str(
+            "caught up: once no claim in flight is older than the newest key, the older keys \
+             can leave the ring\n",
+        );
+    }
+    Ok(out)
 }
 
 async fn sweep<DB: Backend>(store: &Idempotency<DB>, settings: Sweep) -> Result<String, Fail> {

@@ -70,7 +70,15 @@ async fn operator_commands_on_sqlite() {
     let help = idem(&url, &["--help"]);
     assert_eq!(help.code, 0);
     assert!(help.stdout.contains("Commands:"), "{}", help.stdout);
-    for command in ["list", "show", "forget", "sweep", "partitions", "migration"] {
+    for command in [
+        "list",
+        "show",
+        "forget",
+        "sweep",
+        "reseal",
+        "partitions",
+        "migration",
+    ] {
         let help = idem(&url, &[command, "--help"]);
         assert_eq!(help.code, 0);
         assert!(

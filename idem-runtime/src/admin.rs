@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::backend::{Backend, KeyRecord, Query};
+use crate::seal::{Sealed, Unreadable, sealed_by};
 use crate::signal::key_digest;
 use crate::store::Idempotency;
 
@@ -147,7 +148,59 @@ impl<DB: Backend> Idempotency<DB> {
 
     async fn run_inspect(&self, query: &Query<'_>) -> Result<Vec<KeyRecord>, sqlx::Error> {
         let mut conn = self.inner().pool.acquire().await?;
-        DB::idem_inspect(&mut conn, &self.inner().sql, query).await
+        let mut records = DB::idem_inspect(&mut conn, &self.inner().sql, query).await?;
+        for record in &mut records {
+            self.open_record(record);
+        }
+        Ok(records)
+    }
+
+    /// A record's response as this store would replay it: a sealed one opened
+    /// with the store's ring, or emptied and `unreadable` with why; one in plain
+    /// text kept, and marked where the store would refuse it.
+    fn open_record(&self, record: &mut KeyRecord) {
+        let sealing = &self.inner().sealing;
+        if record.state != "completed" {
+            return;
+        }
+        // A sealed record is never empty; an ended mark has no response at all.
+        let sealed = record.status == Some(0) && !record.body.is_empty();
+        let has_response = !record.body.is_empty() || !record.headers.is_empty();
+        let why = if sealed {
+            record.sealed_by = sealed_by(&record.body);
+            match sealing.ring() {
+                None => Unreadable::Sealed(record.sealed_by),
+                Some(ring) => {
+                    let row = Sealed {
+                        scope: &record.scope,
+                        key: &record.key,
+                        method: &record.method,
+                        path: &record.path,
+                        content_type: record.content_type.as_deref(),
+                        fingerprint: &record.fingerprint,
+                    };
+                    match ring.open(&row, &record.body) {
+                        Ok(opened) => {
+                            record.status = Some(i32::from(opened.status));
+                            record.headers = opened.headers;
+                            record.body = opened.body;
+                            return;
+                        }
+                        Err(unsealable) => Unreadable::Unsealable(unsealable),
+                    }
+                }
+            }
+        } else if has_response && !sealing.opens_plain() {
+            // Shown as it is: an operator may need to see what was planted.
+            record.unreadable = Some(Unreadable::Plain.to_string());
+            return;
+        } else {
+            return;
+        };
+        record.unreadable = Some(why.to_string());
+        record.status = None;
+        record.headers.clear();
+        record.body.clear();
     }
 }
 

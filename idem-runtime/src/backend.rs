@@ -37,7 +37,7 @@ use std::future::Future;
 use sqlx::{Database, Transaction};
 
 use crate::admin::{Forgotten, InFlight};
-use crate::seal::{KeyRing, Unreadable};
+use crate::seal::{KeyId, KeyRing, Unreadable};
 use crate::tx::Adopted;
 
 /// A database idem can keep its keys in: [`sqlx::Postgres`] (feature `postgres`),
@@ -712,6 +712,18 @@ pub mod enabled {
             sql: &'c Self::IdemSql,
             query: &'c Query<'c>,
         ) -> impl Future<Output = Result<Vec<KeyRecord>, sqlx::Error>> + Send + 'c;
+
+        /// Writes `record`'s response sealed anew (`body`, with `fingerprint`), in
+        /// one short statement, only while the row is still that completed record
+        /// (its lease); whether it was.
+        #[doc(hidden)]
+        fn idem_reseal<'c>(
+            conn: &'c mut Self::Connection,
+            sql: &'c Self::IdemSql,
+            record: &'c KeyRecord,
+            fingerprint: &'c [u8],
+            body: &'c [u8],
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
     }
 }
 
@@ -738,10 +750,24 @@ pub struct KeyRecord {
     pub expires_in_ms: i64,
     /// Milliseconds since it was claimed.
     pub age_ms: i64,
-    /// The stored headers (`name: value` lines), once completed.
+    /// The stored headers (`name: value` lines), once completed; opened, where the
+    /// record is sealed and the store's ring opens it.
     pub headers: Vec<u8>,
-    /// The stored body, once completed.
+    /// The stored body, once completed; opened, as `headers`.
     pub body: Vec<u8>,
+    /// The request's `Content-Type` as stored (`None` in rows from before
+    /// content types were stored).
+    pub content_type: Option<String>,
+    /// The key the stored response is sealed under, where it is sealed.
+    pub sealed_by: Option<KeyId>,
+    /// Why the store would not replay the stored response (see
+    /// [`Sealing`](crate::Sealing)); `status`, `headers` and `body` are then empty
+    /// where it is sealed and does not open.
+    pub unreadable: Option<String>,
+    /// The claim's fencing token: a re-seal writes over this record only.
+    pub(crate) lease: i64,
+    /// The fingerprint as stored.
+    pub(crate) fingerprint: Vec<u8>,
 }
 
 impl KeyRecord {
@@ -767,6 +793,12 @@ pub enum Query<'a> {
     Key { scope: &'a str, key: &'a str },
     /// The scopes other than `scope` holding `key` (up to 100).
     OtherScopes { scope: &'a str, key: &'a str },
+    /// Completed rows with a stored response, in (scope, key) order, after
+    /// `after`: a re-seal's batch.
+    Completed {
+        after: Option<(&'a str, &'a str)>,
+        limit: u32,
+    },
 }
 
 /// Runs a backend's inspection query with its text parameters and decodes the rows.
@@ -783,6 +815,7 @@ where
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
     for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
     for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Option<String>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> Option<i64>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
@@ -797,14 +830,16 @@ where
 }
 
 /// Decodes the columns every backend's inspection query selects, in one shape:
-/// `scope`, `idempotency_key`, `state`, `method`, `path` as text, `status` and the
-/// three `*_ms` as 64-bit integers, `headers` and `body` as bytes (empty if none).
+/// `scope`, `idempotency_key`, `state`, `method`, `path` and `content_type`
+/// (nullable) as text, `status`, `lease` and the three `*_ms` as 64-bit integers,
+/// `fingerprint`, `headers` and `body` as bytes (empty if none).
 #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
 fn decode<R>(row: &R) -> Result<KeyRecord, sqlx::Error>
 where
     R: sqlx::Row,
     for<'a> &'a str: sqlx::ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -823,20 +858,23 @@ where
         age_ms: row.try_get("age_ms")?,
         headers: row.try_get("headers")?,
         body: row.try_get("body")?,
+        content_type: row.try_get("content_type")?,
+        sealed_by: None,
+        unreadable: None,
+        lease: row.try_get("lease")?,
+        fingerprint: row.try_get("fingerprint")?,
     })
 }
 
 impl Query<'_> {
     /// The `WHERE` clause (with `placeholder(n)` for the n-th parameter and `now`
-    /// for the database clock), the row limit, whether stored responses are read,
-    /// and the parameters in order.
+    /// for the database clock), the `ORDER BY` list, the row limit, whether stored
+    /// responses are read, and the parameters in order (each placeholder is used
+    /// once).
     #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
-    pub(crate) fn parts(
-        &self,
-        placeholder: impl Fn(usize) -> String,
-        now: &str,
-    ) -> (String, u32, bool, Vec<&str>) {
-        match *self {
+    pub(crate) fn parts(&self, placeholder: impl Fn(usize) -> String, now: &str) -> Parts<'_> {
+        let by_age = "created_at";
+        let (filter, limit, payload, params) = match *self {
             Query::Claims {
                 scope,
                 stuck_only,
@@ -852,6 +890,26 @@ impl Query<'_> {
                     filter.push_str(&format!(" AND locked_until <= {now}"));
                 }
                 (filter, limit, false, params)
+            }
+            Query::Completed { after, limit } => {
+                let mut filter = "state = 'completed' AND body IS NOT NULL".to_owned();
+                let mut params = Vec::new();
+                if let Some((scope, key)) = after {
+                    filter.push_str(&format!(
+                        " AND (scope > {} OR (scope = {} AND idempotency_key > {}))",
+                        placeholder(1),
+                        placeholder(2),
+                        placeholder(3)
+                    ));
+                    params.extend([scope, scope, key]);
+                }
+                return Parts {
+                    filter,
+                    order: "scope, idempotency_key",
+                    limit,
+                    payload: true,
+                    params,
+                };
             }
             Query::Key { scope, key } => (
                 format!(
@@ -873,6 +931,24 @@ impl Query<'_> {
                 false,
                 vec![key, scope],
             ),
+        };
+        Parts {
+            filter,
+            order: by_age,
+            limit,
+            payload,
+            params,
         }
     }
+}
+
+/// An inspection query's parts (see [`Query::parts`]).
+#[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+pub(crate) struct Parts<'a> {
+    pub(crate) filter: String,
+    pub(crate) order: &'static str,
+    pub(crate) limit: u32,
+    /// Whether stored responses are read.
+    pub(crate) payload: bool,
+    pub(crate) params: Vec<&'a str>,
 }

@@ -18,7 +18,7 @@ use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written,
     enabled::Driver,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Parts, Query, fetch};
 use crate::key::to_hex;
 use crate::lease;
 use crate::tx::Open;
@@ -749,14 +749,20 @@ impl Driver for MySql {
         {
             return claims_in_flight(conn, sql, scope, stuck_only, limit).await;
         }
-        let (filter, limit, payload, params) = query.parts(|_| "?".to_owned(), "UTC_TIMESTAMP(6)");
+        let Parts {
+            filter,
+            order,
+            limit,
+            payload,
+            params,
+        } = query.parts(|_| "?".to_owned(), "UTC_TIMESTAMP(6)");
         let stored = if payload {
             "COALESCE(headers, '') AS headers, COALESCE(body, '') AS body"
         } else {
             "CAST('' AS BINARY) AS headers, CAST('' AS BINARY) AS body"
         };
         let sql = format!(
-            "SELECT {INSPECTED}, {stored} FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+            "SELECT {INSPECTED}, {stored} FROM {} WHERE {filter} ORDER BY {order} LIMIT {limit}",
             sql.table
         );
         // In a transaction of its own: a fresh snapshot, which a session with
@@ -766,13 +772,41 @@ impl Driver for MySql {
         tx.commit().await?;
         Ok(records)
     }
+
+    async fn idem_reseal(
+        conn: &mut MySqlConnection,
+        sql: &Sql,
+        record: &KeyRecord,
+        fingerprint: &[u8],
+        body: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        // A transaction of its own, committed at once, whatever the session's
+        // `autocommit`; one row, by its primary key.
+        let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET fingerprint = ?, status = 0, headers = '', body = ? \
+             WHERE scope = ? AND idempotency_key = ? AND lease = ? AND state = 'completed'",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(fingerprint)
+        .bind(body)
+        .bind(&record.scope)
+        .bind(&record.key)
+        .bind(record.lease)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
+    }
 }
 
 /// The columns an operator's look selects but the stored response, in the shape
 /// `backend::fetch` decodes.
 const INSPECTED: &str = "CAST(scope AS CHAR) AS scope, \
     CAST(idempotency_key AS CHAR) AS idempotency_key, state, method, path, \
-    CAST(status AS SIGNED) AS status, \
+    CAST(status AS SIGNED) AS status, lease, CAST(content_type AS CHAR) AS content_type, \
+    fingerprint, \
     CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000 AS SIGNED) AS lock_left_ms, \
     CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS expires_in_ms, \
     CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS age_ms";

@@ -19,7 +19,7 @@ use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
     look_then_claim,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Parts, Query, fetch};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
@@ -820,24 +820,57 @@ impl Driver for Postgres {
         sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
-        let (filter, limit, payload, params) =
-            query.parts(|n| format!("${n}"), "clock_timestamp()");
+        let Parts {
+            filter,
+            order,
+            limit,
+            payload,
+            params,
+        } = query.parts(|n| format!("${n}"), "clock_timestamp()");
         let stored = if payload {
             "coalesce(headers, ''::bytea) AS headers, coalesce(body, ''::bytea) AS body"
         } else {
             "''::bytea AS headers, ''::bytea AS body"
         };
         let sql = format!(
-            "SELECT scope, idempotency_key, state, method, path, status::bigint AS status, {stored}, \
+            "SELECT scope, idempotency_key, state, method, path, status::bigint AS status, lease, \
+                    content_type, fingerprint, {stored}, \
                     (extract(epoch FROM locked_until - clock_timestamp()) * 1000)::bigint AS lock_left_ms, \
                     (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms, \
                     (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint AS age_ms \
-             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+             FROM {} WHERE {filter} ORDER BY {order} LIMIT {limit}",
             sql.table
         );
         // In a transaction, so that it is safe through a transaction pooler.
         let mut tx = conn.begin().await?;
         fetch::<Postgres>(&mut tx, sql, params).await
+    }
+
+    async fn idem_reseal(
+        conn: &mut PgConnection,
+        sql: &Sql,
+        record: &KeyRecord,
+        fingerprint: &[u8],
+        body: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        // In a transaction of its own at READ COMMITTED: safe through a pooler, and
+        // never a serialization failure at SERIALIZABLE for the requests beside it.
+        let mut tx = read_committed(conn).await?;
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET fingerprint = $1, status = 0, headers = ''::bytea, body = $2 \
+             WHERE scope = $3 AND idempotency_key = $4 AND lease = $5 AND state = 'completed'",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(fingerprint)
+        .bind(body)
+        .bind(&record.scope)
+        .bind(&record.key)
+        .bind(record.lease)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
     }
 }
 

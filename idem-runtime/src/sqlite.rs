@@ -13,7 +13,7 @@ use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
-use crate::backend::{KeyRecord, Query, fetch};
+use crate::backend::{KeyRecord, Parts, Query, fetch};
 use crate::lease::{self, Dialect, Statements};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -320,20 +320,51 @@ impl Driver for Sqlite {
         sql: &Sql,
         query: &Query<'_>,
     ) -> Result<Vec<KeyRecord>, sqlx::Error> {
-        let (filter, limit, payload, params) = query.parts(|n| format!("?{n}"), NOW_MS);
+        let Parts {
+            filter,
+            order,
+            limit,
+            payload,
+            params,
+        } = query.parts(|n| format!("?{n}"), NOW_MS);
         let stored = if payload {
             "coalesce(headers, x'') AS headers, coalesce(body, x'') AS body"
         } else {
             "x'' AS headers, x'' AS body"
         };
         let sql = format!(
-            "SELECT scope, idempotency_key, state, method, path, status, {stored}, \
+            "SELECT scope, idempotency_key, state, method, path, status, lease, content_type, \
+                    fingerprint, {stored}, \
                     locked_until - {NOW_MS} AS lock_left_ms, expires_at - {NOW_MS} AS expires_in_ms, \
                     {NOW_MS} - created_at AS age_ms \
-             FROM {} WHERE {filter} ORDER BY created_at LIMIT {limit}",
+             FROM {} WHERE {filter} ORDER BY {order} LIMIT {limit}",
             sql.table
         );
         fetch::<Sqlite>(conn, sql, params).await
+    }
+
+    async fn idem_reseal(
+        conn: &mut SqliteConnection,
+        sql: &Sql,
+        record: &KeyRecord,
+        fingerprint: &[u8],
+        body: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        // One statement, its own write transaction: the write lock for one row.
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET fingerprint = ?1, status = 0, headers = x'', body = ?2 \
+             WHERE scope = ?3 AND idempotency_key = ?4 AND lease = ?5 AND state = 'completed'",
+            sql.table
+        )))
+        .persistent(false)
+        .bind(fingerprint)
+        .bind(body)
+        .bind(&record.scope)
+        .bind(&record.key)
+        .bind(record.lease)
+        .execute(&mut *conn)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 }
 

@@ -82,8 +82,9 @@ use realistic::{
     storms_over_two_instances_execute_each_key_once,
 };
 use sealing::{
-    changed_records_are_never_replayed, rotation_keeps_every_key_answered,
-    sealed_records_replay_and_hold_no_plaintext, sealing_turns_on_and_off_without_losing_keys,
+    changed_records_are_never_replayed, reseal_lets_an_old_key_leave_the_ring,
+    rotation_keeps_every_key_answered, sealed_records_replay_and_hold_no_plaintext,
+    sealing_turns_on_and_off_without_losing_keys,
 };
 use session::{
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
@@ -1402,4 +1403,5 @@ conformance!(
     rotation_keeps_every_key_answered,
     changed_records_are_never_replayed,
     sealing_turns_on_and_off_without_losing_keys,
+    reseal_lets_an_old_key_leave_the_ring,
 );

@@ -2,7 +2,7 @@
 //! response and no bare digest of a body, every retry still matches and replays,
 //! and a record that does not open is never replayed nor run again.
 
-use idem_axum::{Idempotency, KeyRing, Sealing};
+use idem_axum::{Idempotency, KeyRing, Reseal, Sealing};
 use sha2::{Digest as _, Sha256};
 
 use crate::app::{Got, Req, router_on, send};
@@ -101,6 +101,41 @@ pub async fn sealed_records_replay_and_hold_no_plaintext<H: Harness>() {
         assert_sealed(row, A);
     }
     assert_eq!(h.effects("alice").await, 6, "nothing ran again");
+
+    // An operator's look opens the record with the ring, and says it cannot
+    // without one.
+    let store = |sealing| -> Idempotency<H::DB> {
+        h.instance_on(h.store().pool().clone())
+            .sealing(sealing)
+            .build()
+            .expect("a store")
+    };
+    let record = store(Sealing::OpensSealed(ring(A)))
+        .inspect("alice", &keys[0])
+        .await
+        .expect("inspect")
+        .expect("a record");
+    assert_eq!(record.sealed_by, ring(A).ids().next());
+    assert_eq!(
+        (record.status, record.unreadable.as_deref()),
+        (Some(201), None)
+    );
+    assert!(contains(&record.body, b"nonce") && contains(&record.headers, b"x-custom"));
+    let blind = store(Sealing::Off)
+        .inspect("alice", &keys[0])
+        .await
+        .expect("inspect")
+        .expect("a record");
+    assert_eq!(blind.sealed_by, record.sealed_by);
+    let why = blind.unreadable.as_deref().expect("unreadable");
+    assert!(
+        why.contains(&record.sealed_by.expect("a key").to_string()),
+        "{why}"
+    );
+    assert_eq!(
+        (blind.status, blind.body.len(), blind.headers.len()),
+        (None, 0, 0)
+    );
     h.finish().await;
 }
 
@@ -271,5 +306,125 @@ pub async fn sealing_turns_on_and_off_without_losing_keys<H: Harness>() {
         }
     }
     assert_eq!(h.effects("alice").await, 12, "each of 12 keys ran once");
+    h.finish().await;
+}
+
+/// After a rotation, `reseal` seals every record anew under the newest key while
+/// requests go on beside it (retries replay, new keys run), and then the old key
+/// can leave the ring: every key still replays and still tells another body
+/// apart. Records in plain text are sealed only when asked.
+pub async fn reseal_lets_an_old_key_leave_the_ring<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let old = instance(&h, Sealing::On(ring(B)));
+    let keys: Vec<String> = (0..40).map(|n| format!("k-{n:02}")).collect();
+    let mut first = Vec::new();
+    for chunk in keys.chunks(8) {
+        let reqs = chunk.iter().map(|k| Req::post("alice", k, BODY)).collect();
+        first.extend(send_all(&old, reqs).await);
+    }
+    assert!(first.iter().all(|got| got.status == 201));
+    let plain = send(
+        &instance(&h, Sealing::Off),
+        &Req::post("alice", "k-plain", BODY),
+    )
+    .await;
+    assert_eq!(plain.status, 201);
+
+    let both = format!("{A},{B}");
+    let unsealed: Idempotency<H::DB> = h
+        .instance_on(h.store().pool().clone())
+        .build()
+        .expect("a store");
+    let refused = unsealed.reseal(Reseal::new()).await.expect_err("no ring");
+    assert!(refused.to_string().contains("Sealing::On"), "{refused}");
+    let resealer: Idempotency<H::DB> = h
+        .instance_on(h.store().pool().clone())
+        .sealing(Sealing::On(ring(&both)))
+        .build()
+        .expect("a store");
+    let rotated = instance(&h, Sealing::On(ring(&both)));
+    let run = {
+        let resealer = resealer.clone();
+        tokio::spawn(async move {
+            let gentle = Reseal::new()
+                .batch(7)
+                .pause(std::time::Duration::from_millis(2));
+            resealer.reseal(gentle).await
+        })
+    };
+    // Beside it: retries replay, new keys run.
+    let mut round = 0;
+    while !run.is_finished() || round < 2 {
+        for (key, got) in keys.iter().zip(&first).step_by(5) {
+            let replay = send(&rotated, &Req::post("alice", key, BODY)).await;
+            assert_eq!(replay.body, got.body, "{key} during the re-seal");
+        }
+        let new = send(
+            &rotated,
+            &Req::post("alice", &format!("k-new-{round}"), BODY),
+        )
+        .await;
+        assert_eq!(new.status, 201);
+        round += 1;
+    }
+    let report = run.await.expect("reseal task").expect("reseal");
+    assert!(report.caught_up, "{report:?}");
+    assert_eq!(
+        (
+            report.resealed,
+            report.plain,
+            report.unreadable,
+            report.changed
+        ),
+        (40, 1, 0, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.read, report.resealed + report.current + report.plain);
+    let again = resealer.reseal(Reseal::new()).await.expect("reseal");
+    assert_eq!(
+        (again.resealed, again.plain, again.current),
+        (0, 1, again.read - 1),
+        "{again:?}"
+    );
+
+    // The old key leaves.
+    let removed = instance(&h, Sealing::On(ring(A)));
+    for (key, got) in keys.iter().zip(&first) {
+        let replay = send(&removed, &Req::post("alice", key, BODY)).await;
+        assert_eq!(replay.body, got.body, "{key} after the old key left");
+    }
+    let changed = send(&removed, &Req::post("alice", "k-07", "another body")).await;
+    assert_eq!(changed.status, 422, "keyed anew: {}", changed.text());
+    assert!(unreadable(
+        &send(&removed, &Req::post("alice", "k-plain", BODY)).await
+    ));
+    for (key, row) in h.key_rows("alice").await {
+        if key != "k-plain" {
+            assert_sealed(&row, A);
+        }
+    }
+
+    // Asked to, it seals what is in plain text too.
+    let plain_too = resealer
+        .reseal(Reseal::new().plain(true))
+        .await
+        .expect("reseal");
+    assert_eq!(
+        (plain_too.resealed, plain_too.plain),
+        (1, 0),
+        "{plain_too:?}"
+    );
+    let replay = send(&removed, &Req::post("alice", "k-plain", BODY)).await;
+    assert_eq!(replay.body, plain.body);
+    let changed = send(&removed, &Req::post("alice", "k-plain", "another body")).await;
+    assert_eq!(changed.status, 422);
+    for (_, row) in h.key_rows("alice").await {
+        assert_sealed(&row, A);
+    }
+    assert_eq!(
+        h.effects("alice").await,
+        41 + i64::from(round),
+        "no key ran twice"
+    );
     h.finish().await;
 }

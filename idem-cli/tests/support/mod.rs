@@ -9,13 +9,21 @@ pub(crate) struct Run {
     pub(crate) stderr: String,
 }
 
-/// `idem --database-url <url> <args>`, with no `DATABASE_URL` of the caller's.
+/// `idem --database-url <url> <args>`, with no `DATABASE_URL` or `IDEM_SEAL_KEYS`
+/// of the caller's.
 pub(crate) fn idem(url: &str, args: &[&str]) -> Run {
+    idem_with(url, args, &[])
+}
+
+/// [`idem`] with these environment variables.
+pub(crate) fn idem_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> Run {
     let output = Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("--database-url")
         .arg(url)
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("IDEM_SEAL_KEYS")
+        .envs(env.iter().copied())
         .output()
         .expect("run idem");
     Run {

@@ -1,0 +1,152 @@
+//! The `idem` binary on a table whose records are sealed: it opens them with the
+//! ring from `IDEM_SEAL_KEYS` or a file, says when it cannot, and re-seals them
+//! after a rotation so that the old key can leave.
+
+mod support;
+
+use bytes::Bytes;
+use http::{Method, Response, StatusCode, Uri};
+use http_body_util::Full;
+use idem_runtime::{Idempotency, IdempotencyKey, KeyRing, Options, RequestIdentity, Sealing};
+use sqlx::Sqlite;
+use sqlx::sqlite::SqliteConnectOptions;
+use support::{idem, idem_with};
+
+const OLD: &str = "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=";
+const NEW: &str = "3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+
+fn id(keys: &str) -> String {
+    let ring = KeyRing::from_base64(keys).expect("a ring");
+    ring.ids().next().expect("a key").to_string()
+}
+
+/// Records `key` through `store`, answering `receipt`.
+async fn pay(store: &Idempotency<Sqlite>, key: &str, receipt: &'static str) -> Response<Bytes> {
+    let uri = Uri::from_static("/payments");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("a key");
+    let request = RequestIdentity::new(Some(key), "alice", &Method::POST, &uri, b"{}");
+    store
+        .execute(request, Options::new(), move |_tx| {
+            Box::pin(async move {
+                let mut response = Response::new(Full::new(Bytes::from_static(receipt.as_bytes())));
+                *response.status_mut() = StatusCode::CREATED;
+                response
+            })
+        })
+        .await
+}
+
+#[tokio::test]
+async fn sealed_records_open_with_the_ring_and_reseal() {
+    let dir = std::env::temp_dir().join(format!("idem_cli_sealed_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let path = dir.join("keys.db");
+    let pool = sqlx::SqlitePool::connect_with(
+        SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true),
+    )
+    .await
+    .expect("sqlite");
+    let store = Idempotency::builder(pool.clone())
+        .sealing(Sealing::On(KeyRing::from_base64(OLD).expect("a ring")))
+        .build()
+        .expect("a store");
+    store.migrate().await.expect("migrate");
+    for (key, receipt) in [("k-1", "card 4242, receipt one"), ("k-2", "receipt two")] {
+        assert_eq!(pay(&store, key, receipt).await.status(), 201);
+    }
+    pool.close().await;
+    let url = format!("sqlite://{}", path.display());
+
+    // Without the ring: what it is sealed under, and how to open it; never the body.
+    let blind = idem(&url, &["show", "--scope", "alice", "k-1"]);
+    assert_eq!(blind.code, 0, "{}", blind.stderr);
+    assert!(
+        blind
+            .stdout
+            .contains(&format!("sealed:      under key {}", id(OLD))),
+        "{}",
+        blind.stdout
+    );
+    assert!(blind.stdout.contains("IDEM_SEAL_KEYS"), "{}", blind.stdout);
+    assert!(!blind.stdout.contains("4242") && !blind.stdout.contains("body ("));
+
+    // With it, from the environment or a file (one trailing newline dropped).
+    let seen = idem_with(
+        &url,
+        &["show", "--scope", "alice", "k-1"],
+        &[("IDEM_SEAL_KEYS", OLD)],
+    );
+    assert_eq!(seen.code, 0, "{}", seen.stderr);
+    assert!(
+        seen.stdout.contains("card 4242, receipt one"),
+        "{}",
+        seen.stdout
+    );
+    assert!(seen.stdout.contains("status:      201"), "{}", seen.stdout);
+    let file = dir.join("ring");
+    std::fs::write(&file, format!("{NEW},{OLD}\n")).expect("ring file");
+    let file = file.to_str().expect("a path");
+    let seen = idem(
+        &url,
+        &["--seal-keys-file", file, "show", "--scope", "alice", "k-2"],
+    );
+    assert!(
+        seen.stdout.contains("receipt two"),
+        "{} {}",
+        seen.stdout,
+        seen.stderr
+    );
+
+    // A wrong ring says so; a malformed one is refused before anything is read.
+    let wrong = idem_with(
+        &url,
+        &["show", "--scope", "alice", "k-1"],
+        &[("IDEM_SEAL_KEYS", NEW)],
+    );
+    assert!(wrong.stdout.contains("no longer holds"), "{}", wrong.stdout);
+    assert!(!wrong.stdout.contains("4242"));
+    let spaced = format!("{NEW}, {OLD}");
+    let bad = idem_with(
+        &url,
+        &["show", "--scope", "alice", "k-1"],
+        &[("IDEM_SEAL_KEYS", &spaced)],
+    );
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("whitespace") && !bad.stderr.contains(&NEW[..10]),
+        "{}",
+        bad.stderr
+    );
+
+    // Re-sealing needs the ring, and then lets the old key go.
+    let none = idem(&url, &["reseal"]);
+    assert_eq!(none.code, 2);
+    assert!(none.stderr.contains("IDEM_SEAL_KEYS"), "{}", none.stderr);
+    let run = idem(&url, &["--seal-keys-file", file, "reseal", "--batch", "1"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout.starts_with("read 2 records: 2 sealed anew"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains("caught up"), "{}", run.stdout);
+    let moved = idem_with(
+        &url,
+        &["show", "--scope", "alice", "k-1"],
+        &[("IDEM_SEAL_KEYS", NEW)],
+    );
+    assert!(
+        moved.stdout.contains(&format!("under key {}", id(NEW))),
+        "{}",
+        moved.stdout
+    );
+    assert!(
+        moved.stdout.contains("card 4242, receipt one"),
+        "{}",
+        moved.stdout
+    );
+
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -4,7 +4,13 @@
 //! ```text
 //! cargo bench --all-features --bench retention                 # 100 000 expired keys per backend
 //! cargo bench --all-features --bench retention -- --rows 1000000 --secs 3
+//! cargo bench --all-features --bench retention -- --reseal     # re-sealing instead
 //! ```
+//!
+//! With `--reseal`: the same keys, in plain text, are sealed by `reseal` (what
+//! turning sealing on does), then the key is rotated and every record is sealed
+//! anew under the new key (opened and sealed again) while first requests run
+//! beside it, against the same load alone before.
 //!
 //! Each backend gets `--rows` expired, completed keys of a realistic size (a
 //! 32-byte fingerprint, 64 bytes of headers, a 100-byte body). Then: idem-first
@@ -15,7 +21,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem_axum::{Backend, Idempotency, Outcome, Sweep};
+use idem_axum::{Backend, Idempotency, KeyRing, Outcome, Reseal, ResealReport, Sealing, Sweep};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Pool, Postgres, Sqlite};
@@ -196,6 +202,69 @@ where
     }
 }
 
+/// Re-sealing `rows` keys: what the first requests beside it keep.
+struct ResealRun {
+    backend: &'static str,
+    /// Records in plain text sealed, records/s.
+    plain_rate: f64,
+    /// After a rotation: sealed anew, records/s, while first requests run beside.
+    rotation_rate: f64,
+    alone: (f64, Duration, Duration),
+    beside: (f64, Duration, Duration),
+}
+
+fn ring(keys: &[&[u8; 32]]) -> KeyRing {
+    KeyRing::from_keys(keys.iter().copied()).expect("a ring")
+}
+
+async fn run_reseal<DB: Retention>(
+    settings: &Settings,
+    backend: &'static str,
+    pool: Pool<DB>,
+    id_column: &str,
+    rows: i64,
+) -> ResealRun
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    i64: sqlx::Type<DB> + for<'e> sqlx::Encode<'e, DB>,
+{
+    let (old, new) = ([1; 32], [2; 32]);
+    let _ = prepare(&pool, id_column).await;
+    fill(&pool, rows).await;
+    let sealing = |sealing| {
+        Idempotency::builder(pool.clone())
+            .sealing(sealing)
+            .build()
+            .expect("store")
+    };
+    let first = sealing(Sealing::SealsNew(ring(&[&old])));
+    let all = Reseal::new().budget(Duration::from_secs(3600));
+    let plain = first.reseal(all.plain(true)).await.expect("reseal");
+    assert_eq!((plain.resealed, plain.caught_up), (rows as u64, true));
+
+    let rotated = sealing(Sealing::On(ring(&[&new, &old])));
+    let alone = first_requests(settings, &rotated, "alone").await;
+    let resealer = {
+        let rotated = rotated.clone();
+        tokio::spawn(async move { rotated.reseal(all).await.expect("reseal") })
+    };
+    let beside = first_requests(settings, &rotated, "beside").await;
+    let rotation: ResealReport = resealer.await.expect("reseal task");
+    assert!(
+        rotation.caught_up && rotation.unreadable == 0,
+        "{rotation:?}"
+    );
+    assert_eq!(rotation.resealed, rows as u64, "{rotation:?}");
+    ResealRun {
+        backend,
+        plain_rate: plain.resealed as f64 / plain.elapsed.as_secs_f64(),
+        rotation_rate: rotation.resealed as f64 / rotation.elapsed.as_secs_f64(),
+        alone,
+        beside,
+    }
+}
+
 /// On the partitioned layout: the same keys in a day partition that has ended,
 /// dropped by maintenance.
 async fn partition_drop(pool: &Pool<Postgres>, rows: i64) -> Duration {
@@ -233,8 +302,13 @@ fn main() {
         workers: 16,
     };
     let mut rows: i64 = 100_000;
+    let mut reseal = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        if arg == "--reseal" {
+            reseal = true;
+            continue;
+        }
         let value = args.next();
         match (arg.as_str(), value.and_then(|v| v.parse::<u64>().ok())) {
             ("--secs", Some(v)) => settings.secs = v,
@@ -247,8 +321,9 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let reports = runtime.block_on(async {
+    let (reports, reseals) = runtime.block_on(async {
         let mut reports = Vec::new();
+        let mut reseals = Vec::new();
         let id = std::process::id();
 
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
@@ -269,16 +344,15 @@ fn main() {
                 .connect_with(options.options([("search_path", schema.as_str())]))
                 .await
                 .expect("pool");
-            let mut report = run(
-                &settings,
-                "postgres",
-                pool.clone(),
-                "BIGSERIAL PRIMARY KEY",
-                rows,
-            )
-            .await;
-            report.drop = Some(partition_drop(&pool, rows).await);
-            reports.push(report);
+            let id_column = "BIGSERIAL PRIMARY KEY";
+            if reseal {
+                reseals
+                    .push(run_reseal(&settings, "postgres", pool.clone(), id_column, rows).await);
+            } else {
+                let mut report = run(&settings, "postgres", pool.clone(), id_column, rows).await;
+                report.drop = Some(partition_drop(&pool, rows).await);
+                reports.push(report);
+            }
             pool.close().await;
             let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
                 .execute(&admin)
@@ -305,16 +379,12 @@ fn main() {
                 .connect_with(options.database(&database))
                 .await
                 .expect("pool");
-            reports.push(
-                run(
-                    &settings,
-                    "mysql",
-                    pool.clone(),
-                    "BIGINT AUTO_INCREMENT PRIMARY KEY",
-                    rows,
-                )
-                .await,
-            );
+            let id_column = "BIGINT AUTO_INCREMENT PRIMARY KEY";
+            if reseal {
+                reseals.push(run_reseal(&settings, "mysql", pool.clone(), id_column, rows).await);
+            } else {
+                reports.push(run(&settings, "mysql", pool.clone(), id_column, rows).await);
+            }
             pool.close().await;
             let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
                 .execute(&admin)
@@ -325,20 +395,43 @@ fn main() {
 
         let path = std::env::temp_dir().join(format!("idem_retention_{id}.db"));
         let pool: Pool<Sqlite> = common::sqlite_pool(&path).await;
-        reports.push(
-            run(
-                &settings,
-                "sqlite",
-                pool.clone(),
-                "INTEGER PRIMARY KEY AUTOINCREMENT",
-                rows,
-            )
-            .await,
-        );
+        let id_column = "INTEGER PRIMARY KEY AUTOINCREMENT";
+        if reseal {
+            reseals.push(run_reseal(&settings, "sqlite", pool.clone(), id_column, rows).await);
+        } else {
+            reports.push(run(&settings, "sqlite", pool.clone(), id_column, rows).await);
+        }
         pool.close().await;
         common::remove_sqlite(&path);
-        reports
+        (reports, reseals)
     });
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    if reseal {
+        println!(
+            "\n{rows} records per backend; first requests from {} workers for {} s\n",
+            settings.workers, settings.secs
+        );
+        println!(
+            "| backend | plain sealed, records/s | rotation: sealed anew, records/s | first req/s alone (p50 / p99 ms) | beside the rotation (p50 / p99 ms) |"
+        );
+        println!("| --- | ---: | ---: | ---: | ---: |");
+        for r in &reseals {
+            println!(
+                "| {} | {:.0} | {:.0} | {:.0} ({:.1} / {:.1}) | {:.0}, {:.2}× ({:.1} / {:.1}) |",
+                r.backend,
+                r.plain_rate,
+                r.rotation_rate,
+                r.alone.0,
+                ms(r.alone.1),
+                ms(r.alone.2),
+                r.beside.0,
+                r.beside.0 / r.alone.0,
+                ms(r.beside.1),
+                ms(r.beside.2),
+            );
+        }
+        return;
+    }
 
     println!(
         "\n{rows} expired keys per backend; first requests from {} workers for {} s\n",
@@ -349,7 +442,6 @@ fn main() {
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &reports {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
             "| {} | {:.0} | {:.0} | {:.0} | {:.0} ({:.1} / {:.1}) | {:.0}, {:.2}× ({:.1} / {:.1}) | {:.0} | {} |",
             r.backend,

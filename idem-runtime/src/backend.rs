@@ -110,7 +110,7 @@ pub struct Found {
     pub headers: Option<Vec<u8>>,
     pub body: Option<bytes::Bytes>,
     /// Why the stored response is not replayed, if it is not: set when the row is
-    /// read (`Engine::readable`), never by a backend.
+    /// read (`Idempotency::readable`, engine.rs), never by a backend.
     pub(crate) unreadable: Option<Unreadable>,
 }
 

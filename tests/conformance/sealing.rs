@@ -1,6 +1,7 @@
-//! §3 of docs/contract.md, "Sealed records": with sealing on, the table holds no
-//! response and no bare digest of a body, every retry still matches and replays,
-//! and a record that does not open is never replayed nor run again.
+//! Sealed records (docs/contract.md §3; docs/deployment.md, "Sealing recorded
+//! responses"): with sealing on, the table holds no response and no bare digest
+//! of a body, every retry still matches and replays, and a record that does not
+//! open is never replayed nor run again.
 
 use idem_axum::{Idempotency, KeyRing, Reseal, Sealing};
 use sha2::{Digest as _, Sha256};
@@ -101,6 +102,20 @@ pub async fn sealed_records_replay_and_hold_no_plaintext<H: Harness>() {
         assert_sealed(row, A);
     }
     assert_eq!(h.effects("alice").await, 6, "nothing ran again");
+
+    // A JSON fingerprint is keyed too: a body re-encoded by a retry still
+    // matches, and another value does not.
+    let json = |body: &str| Req::post("bob", "k-json", body).header("x-json-fingerprint", 1);
+    let sent = send(&first, &json(r#"{"amount":100,"to":"acct-7"}"#)).await;
+    assert_eq!(sent.status, 201);
+    let again = send(&other, &json(r#"{ "to": "acct-7", "amount": 1e2 }"#)).await;
+    assert_eq!(again.body, sent.body, "{}", again.text());
+    let changed = send(&other, &json(r#"{"amount":101,"to":"acct-7"}"#)).await;
+    assert_eq!(changed.status, 422);
+    let row = &h.key_rows("bob").await[0].1;
+    let bare = idem_axum::json_fingerprint(br#"{"amount":100,"to":"acct-7"}"#, &[]);
+    assert_ne!(row.fingerprint, bare.expect("JSON"));
+    assert_eq!(row.fingerprint[..8], id_of(A));
 
     // An operator's look opens the record with the ring, and says it cannot
     // without one.

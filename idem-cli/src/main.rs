@@ -131,13 +131,13 @@ enum Command {
     ///
     /// After a rotation (the new key first in the ring, the old ones after it):
     /// every completed record is sealed anew, and its fingerprint keyed anew,
-    /// under the newest key, in batches that lock nothing and writes of one row
-    /// each, beside the running service. Once it has caught up, with no record
+    /// under the newest key: read in batches that lock nothing, each written back
+    /// in one short transaction, beside the running service. Once it has caught up, with no record
     /// left unreadable, the old keys can leave the ring. Needs the ring
     /// (`IDEM_SEAL_KEYS` or `--seal-keys-file`).
     Reseal {
-        /// Records read per batch.
-        #[arg(long, default_value_t = 500)]
+        /// Records read, and written back in one transaction, per batch.
+        #[arg(long, default_value_t = 100)]
         batch: u32,
         /// Seconds the whole run may take.
         #[arg(long, default_value_t = 600)]

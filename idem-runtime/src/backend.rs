@@ -713,17 +713,15 @@ pub mod enabled {
             query: &'c Query<'c>,
         ) -> impl Future<Output = Result<Vec<KeyRecord>, sqlx::Error>> + Send + 'c;
 
-        /// Writes `record`'s response sealed anew (`body`, with `fingerprint`), in
-        /// one short statement, only while the row is still that completed record
-        /// (its lease); whether it was.
+        /// Writes each record's response sealed anew, in one short transaction,
+        /// a row only while it is still that completed record (its lease); how
+        /// many were.
         #[doc(hidden)]
         fn idem_reseal<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
-            record: &'c KeyRecord,
-            fingerprint: &'c [u8],
-            body: &'c [u8],
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c;
+            writes: &'c [Resealed<'c>],
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'c;
     }
 }
 
@@ -776,6 +774,14 @@ impl KeyRecord {
     pub fn is_stuck(&self) -> bool {
         self.state == "processing" && self.lock_left_ms <= 0
     }
+}
+
+/// A record sealed anew, to write over the one read.
+#[derive(Debug)]
+pub struct Resealed<'a> {
+    pub record: &'a KeyRecord,
+    pub fingerprint: [u8; 32],
+    pub body: Vec<u8>,
 }
 
 /// What to look up; built by `Idempotency::claims` and `Idempotency::inspect`.

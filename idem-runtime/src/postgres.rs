@@ -19,7 +19,7 @@ use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
     look_then_claim,
 };
-use crate::backend::{KeyRecord, Parts, Query, fetch};
+use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
@@ -849,28 +849,32 @@ impl Driver for Postgres {
     async fn idem_reseal(
         conn: &mut PgConnection,
         sql: &Sql,
-        record: &KeyRecord,
-        fingerprint: &[u8],
-        body: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        // In a transaction of its own at READ COMMITTED: safe through a pooler, and
-        // never a serialization failure at SERIALIZABLE for the requests beside it.
+        writes: &[Resealed<'_>],
+    ) -> Result<u64, sqlx::Error> {
+        // At READ COMMITTED: safe through a pooler, and never a serialization
+        // failure at SERIALIZABLE for the requests beside it. Rows of completed
+        // records only, which no claim waits for unless it takes one over.
         let mut tx = read_committed(conn).await?;
-        let done = sqlx::query(AssertSqlSafe(format!(
+        let statement = format!(
             "UPDATE {} SET fingerprint = $1, status = 0, headers = ''::bytea, body = $2 \
              WHERE scope = $3 AND idempotency_key = $4 AND lease = $5 AND state = 'completed'",
             sql.table
-        )))
-        .persistent(false)
-        .bind(fingerprint)
-        .bind(body)
-        .bind(&record.scope)
-        .bind(&record.key)
-        .bind(record.lease)
-        .execute(&mut *tx)
-        .await?;
+        );
+        let mut written = 0;
+        for write in writes {
+            written += sqlx::query(AssertSqlSafe(statement.as_str()))
+                .persistent(false)
+                .bind(&write.fingerprint[..])
+                .bind(&write.body)
+                .bind(&write.record.scope)
+                .bind(&write.record.key)
+                .bind(write.record.lease)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        }
         tx.commit().await?;
-        Ok(done.rows_affected() == 1)
+        Ok(written)
     }
 }
 

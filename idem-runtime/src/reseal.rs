@@ -3,12 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, KeyRecord, Query};
+use crate::backend::{Backend, KeyRecord, Query, Resealed};
 use crate::seal::{KeyId, KeyRing, Plain, Sealed};
 use crate::store::Idempotency;
 
-/// Settings for [`Idempotency::reseal`]: batches read in (scope, key) order, each
-/// record written back in a statement of its own.
+/// Settings for [`Idempotency::reseal`]: batches read in (scope, key) order, and
+/// each batch written back in one short transaction.
 ///
 /// # Examples
 ///
@@ -35,18 +35,20 @@ impl Default for Reseal {
 }
 
 impl Reseal {
-    /// Batches of 500 records, no pause, ten minutes at most, records in plain
+    /// Batches of 100 records, no pause, ten minutes at most, records in plain
     /// text left as they are.
     pub fn new() -> Self {
         Self {
-            batch: 500,
+            batch: 100,
             pause: Duration::ZERO,
             budget: Duration::from_secs(600),
             plain: false,
         }
     }
 
-    /// Records read per batch (at least 1).
+    /// Records read, and written back in one transaction, per batch (at least
+    /// 1): a larger batch commits less often and holds its rows' locks (on
+    /// SQLite, the write lock) a little longer.
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch.max(1);
         self
@@ -115,8 +117,10 @@ impl<DB: Backend> Idempotency<DB> {
     /// fingerprint under it, so that once it has caught up (and no claim in flight
     /// is older than the newest key: a claim's fingerprint is keyed when it is
     /// made) the older keys can leave the ring. Records are read in batches that
-    /// lock nothing and written back one by one, each only while it is still the
-    /// record that was read: requests go on beside it. Run it again to go on
+    /// lock nothing, and each batch is written back in one short transaction, a
+    /// record only while it is still the one that was read: requests go on
+    /// beside it, and only a request taking over one of the batch's expired
+    /// records would wait for its commit. Run it again to go on
     /// where a budget stopped it; records already current are skipped. The
     /// `idem reseal` command calls this.
     ///
@@ -159,21 +163,25 @@ impl<DB: Backend> Idempotency<DB> {
                 let mut conn = self.inner().pool.acquire().await?;
                 DB::idem_inspect(&mut conn, sql, &query).await?
             };
+            let mut writes = Vec::new();
             for record in &batch {
                 report.read += 1;
                 match next(ring, record, settings.plain)? {
                     Next::Current => report.current += 1,
                     Next::Plain => report.plain += 1,
                     Next::Unreadable => report.unreadable += 1,
-                    Next::Write { fingerprint, body } => {
-                        let mut conn = self.inner().pool.acquire().await?;
-                        if DB::idem_reseal(&mut conn, sql, record, &fingerprint, &body).await? {
-                            report.resealed += 1;
-                        } else {
-                            report.changed += 1;
-                        }
-                    }
+                    Next::Write { fingerprint, body } => writes.push(Resealed {
+                        record,
+                        fingerprint,
+                        body,
+                    }),
                 }
+            }
+            if !writes.is_empty() {
+                let mut conn = self.inner().pool.acquire().await?;
+                let written = DB::idem_reseal(&mut conn, sql, &writes).await?;
+                report.resealed += written;
+                report.changed += writes.len() as u64 - written;
             }
             let done = batch.len() < settings.batch as usize;
             after = batch.last().map(|r| (r.scope.clone(), r.key.clone()));

@@ -13,7 +13,7 @@ use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
-use crate::backend::{KeyRecord, Parts, Query, fetch};
+use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
 use crate::lease::{self, Dialect, Statements};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -346,25 +346,31 @@ impl Driver for Sqlite {
     async fn idem_reseal(
         conn: &mut SqliteConnection,
         sql: &Sql,
-        record: &KeyRecord,
-        fingerprint: &[u8],
-        body: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        // One statement, its own write transaction: the write lock for one row.
-        let done = sqlx::query(AssertSqlSafe(format!(
+        writes: &[Resealed<'_>],
+    ) -> Result<u64, sqlx::Error> {
+        // The write lock for the batch's updates and one commit: each update is a
+        // row by its primary key, so the hot path waits less than it would for a
+        // commit per row.
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        let statement = format!(
             "UPDATE {} SET fingerprint = ?1, status = 0, headers = x'', body = ?2 \
              WHERE scope = ?3 AND idempotency_key = ?4 AND lease = ?5 AND state = 'completed'",
             sql.table
-        )))
-        .persistent(false)
-        .bind(fingerprint)
-        .bind(body)
-        .bind(&record.scope)
-        .bind(&record.key)
-        .bind(record.lease)
-        .execute(&mut *conn)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        );
+        let mut written = 0;
+        for write in writes {
+            written += sqlx::query(AssertSqlSafe(statement.as_str()))
+                .bind(&write.fingerprint[..])
+                .bind(&write.body)
+                .bind(&write.record.scope)
+                .bind(&write.record.key)
+                .bind(write.record.lease)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(written)
     }
 }
 

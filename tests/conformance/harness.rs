@@ -140,6 +140,10 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// `SELECT count(*)` of this test's sessions waiting for a row lock.
     const LOCK_WAITS: &'static str;
 
+    /// [`LOCK_WAITS`](Self::LOCK_WAITS) and nothing else: on MySQL that one also
+    /// counts sessions running an UPDATE that waits for nothing.
+    const ROW_LOCK_WAITS: &'static str = Self::LOCK_WAITS;
+
     /// Begins a transaction at READ COMMITTED, whatever the run's default.
     const BEGIN_READ_COMMITTED: &'static str;
 

@@ -116,6 +116,12 @@ pub async fn sealed_records_replay_and_hold_no_plaintext<H: Harness>() {
     let bare = idem_axum::json_fingerprint(br#"{"amount":100,"to":"acct-7"}"#, &[]);
     assert_ne!(row.fingerprint, bare.expect("JSON"));
     assert_eq!(row.fingerprint[..8], id_of(A));
+    // Another ring keys the same body otherwise.
+    let elsewhere = instance(&h, Sealing::On(ring(B)));
+    let twin = send(&elsewhere, &Req::post("carol", "k-0", BODY)).await;
+    assert_eq!(twin.status, 201);
+    let twin = &h.key_rows("carol").await[0].1;
+    assert_ne!(twin.fingerprint[8..], rows[0].1.fingerprint[8..]);
 
     // An operator's look opens the record with the ring, and says it cannot
     // without one.
@@ -367,12 +373,17 @@ pub async fn reseal_lets_an_old_key_leave_the_ring<H: Harness>() {
             resealer.reseal(gentle).await
         })
     };
-    // Beside it: retries replay, new keys run.
+    // Beside it: retries replay, new keys run, and no session waits for a lock.
     let mut round = 0;
     while !run.is_finished() || round < 2 {
         for (key, got) in keys.iter().zip(&first).step_by(5) {
             let replay = send(&rotated, &Req::post("alice", key, BODY)).await;
             assert_eq!(replay.body, got.body, "{key} during the re-seal");
+            assert_eq!(
+                h.count(H::ROW_LOCK_WAITS, &[]).await,
+                0,
+                "a wait on the re-seal"
+            );
         }
         let new = send(
             &rotated,

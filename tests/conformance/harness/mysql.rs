@@ -204,6 +204,10 @@ impl Harness for My {
     const LOCK_WAITS: &'static str = "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
          WHERE DB = DATABASE() AND LOWER(STATE) = 'updating'";
 
+    const ROW_LOCK_WAITS: &'static str = "SELECT COUNT(*) FROM information_schema.INNODB_TRX t \
+         JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id \
+         WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()";
+
     // The whole class, each kind and answer, is `ended.rs`'s.
     const ENDING_STATEMENTS: &'static [&'static str] = &["COMMIT", "BEGIN"];
 

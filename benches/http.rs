@@ -8,6 +8,7 @@
 //! cargo bench --all-features --bench http -- --only idem-first,idem-replay   # and `bare`
 //! cargo bench --all-features --bench http -- --growth              # also with 10^4, 10^6, 10^7 keys stored
 //! cargo bench --all-features --bench http -- --paired hand-written,idem-first   # both at once
+//! cargo bench --all-features --bench http -- --only idem-first,idem-first-sealed,idem-replay-uncached,idem-replay-sealed
 //! cargo bench --all-features --bench http -- --ceiling             # replays and `static` under wrk
 //! cargo bench --all-features --bench http -- --ceiling --together  # both loads at once
 //! ```
@@ -68,6 +69,9 @@
 //!   what a replay from memory could at best be;
 //! - `idem-replay-cold`: every request a stored key this instance never saw (as
 //!   when another instance served it);
+//! - `idem-first-sealed`, and `idem-replay-uncached` / `idem-replay-sealed`
+//!   (replays read from the table, without the replay cache), sealing off and on:
+//!   only when `--only` names them;
 //! - `idem-storm`: `#[idempotent]`, keys sent 8 times each by concurrent connections;
 //! - `naive-cache`: the cached-response pattern (look the key up in Redis, run the
 //!   handler, store the response after the fact), with Redis at 127.0.0.1:6379;
@@ -838,9 +842,12 @@ async fn serve_on<DB: idem_axum::Backend + Shop + Tune>(
     if variant == "idem-uncached" {
         idempotency = idempotency.replay_cache(0);
     }
-    if variant == "idem-sealed" {
+    if variant.starts_with("idem-sealed") {
         let ring = KeyRing::from_keys([&[7; 32]])?;
         idempotency = idempotency.sealing(Sealing::On(ring));
+    }
+    if variant == "idem-sealed-uncached" {
+        idempotency = idempotency.replay_cache(0);
     }
     let idempotency = DB::tune(idempotency);
     let app = App {
@@ -1195,7 +1202,9 @@ fn peer_exe() -> std::path::PathBuf {
 fn key_for(run: &str, variant: &str, n: u64, replay_keys: u64) -> Option<String> {
     match variant {
         "bare" => None,
-        "idem-replay" | "static" => Some(format!("{run}-replay-{}", n % replay_keys)),
+        "idem-replay" | "idem-replay-uncached" | "idem-replay-sealed" | "static" => {
+            Some(format!("{run}-replay-{}", n % replay_keys))
+        }
         // Each stored key once, by an instance that has not seen it.
         "idem-replay-cold" => Some(format!("{run}-replay-{n}")),
         "idem-storm" | "naive-cache-storm" | "axum-idempotent-storm" => {
@@ -1401,7 +1410,7 @@ async fn measure(
 
     // Keys to replay, completed beforehand.
     let replay_keys = if stored > 0 { stored } else { 1000 };
-    if variant == "idem-replay" && stored == 0 {
+    if variant.starts_with("idem-replay") && !variant.ends_with("-cold") && stored == 0 {
         let mut conn = Conn::open(&server.addr).await;
         for n in 0..replay_keys {
             let key = key_for(schema, variant, n, replay_keys);
@@ -2542,6 +2551,17 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         }
         if only.contains(&"hand-written-guarded") && matches!(target, Target::Postgres { .. }) {
             variants.insert(2, ("hand-written-guarded", "hand-written-guarded"));
+        }
+        // Sealing on and off, same run: first executions, and replays read from
+        // the table (no replay cache), which open a sealed record each.
+        for (variant, serves) in [
+            ("idem-first-sealed", "idem-sealed"),
+            ("idem-replay-uncached", "idem-uncached"),
+            ("idem-replay-sealed", "idem-sealed-uncached"),
+        ] {
+            if only.contains(&variant) {
+                variants.push((variant, serves));
+            }
         }
         for bound in ["hand-written-parts", "hand-written-row"] {
             if only.contains(&bound) && matches!(target, Target::MySql { .. }) {

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::backend::{Backend, KeyRecord, Query};
-use crate::seal::{Sealed, Unreadable, sealed_by};
+use crate::seal::{Unreadable, sealed_by};
 use crate::signal::key_digest;
 use crate::store::Idempotency;
 
@@ -170,25 +170,15 @@ impl<DB: Backend> Idempotency<DB> {
             record.sealed_by = sealed_by(&record.body);
             match sealing.ring() {
                 None => Unreadable::Sealed(record.sealed_by),
-                Some(ring) => {
-                    let row = Sealed {
-                        scope: &record.scope,
-                        key: &record.key,
-                        method: &record.method,
-                        path: &record.path,
-                        content_type: record.content_type.as_deref(),
-                        fingerprint: &record.fingerprint,
-                    };
-                    match ring.open(&row, &record.body) {
-                        Ok(opened) => {
-                            record.status = Some(i32::from(opened.status));
-                            record.headers = opened.headers;
-                            record.body = opened.body;
-                            return;
-                        }
-                        Err(unsealable) => Unreadable::Unsealable(unsealable),
+                Some(ring) => match ring.open(&record.sealed_row(), &record.body) {
+                    Ok(opened) => {
+                        record.status = Some(i32::from(opened.status));
+                        record.headers = opened.headers;
+                        record.body = opened.body;
+                        return;
                     }
-                }
+                    Err(unsealable) => Unreadable::Unsealable(unsealable),
+                },
             }
         } else if has_response && !sealing.opens_plain() {
             // Shown as it is: an operator may need to see what was planted.

@@ -774,6 +774,18 @@ impl KeyRecord {
     pub fn is_stuck(&self) -> bool {
         self.state == "processing" && self.lock_left_ms <= 0
     }
+
+    /// The row's identity, as its sealed record is bound to it.
+    pub(crate) fn sealed_row(&self) -> crate::seal::Sealed<'_> {
+        crate::seal::Sealed {
+            scope: &self.scope,
+            key: &self.key,
+            method: &self.method,
+            path: &self.path,
+            content_type: self.content_type.as_deref(),
+            fingerprint: &self.fingerprint,
+        }
+    }
 }
 
 /// A record sealed anew, to write over the one read.
@@ -833,6 +845,40 @@ where
     }
     let rows = statement.fetch_all(conn).await?;
     rows.iter().map(decode).collect()
+}
+
+/// Runs `statement` (parameters: fingerprint, body, scope, key, lease) once for
+/// each re-sealed record, on `conn` (a transaction); how many rows it changed, as
+/// `changed` reads a result.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn reseal_each<DB>(
+    conn: &mut DB::Connection,
+    statement: &str,
+    writes: &[Resealed<'_>],
+    changed: fn(&DB::QueryResult) -> u64,
+) -> Result<u64, sqlx::Error>
+where
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'e> &'e [u8]: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    for<'e> i64: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+{
+    let mut written = 0;
+    for write in writes {
+        let done = sqlx::query(sqlx::AssertSqlSafe(statement))
+            .persistent(false)
+            .bind(&write.fingerprint[..])
+            .bind(&write.body[..])
+            .bind(write.record.scope.as_str())
+            .bind(write.record.key.as_str())
+            .bind(write.record.lease)
+            .execute(&mut *conn)
+            .await?;
+        written += changed(&done);
+    }
+    Ok(written)
 }
 
 /// Decodes the columns every backend's inspection query selects, in one shape:

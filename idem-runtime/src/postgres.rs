@@ -19,7 +19,7 @@ use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
     look_then_claim,
 };
-use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
+use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch, reseal_each};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
@@ -860,19 +860,8 @@ impl Driver for Postgres {
              WHERE scope = $3 AND idempotency_key = $4 AND lease = $5 AND state = 'completed'",
             sql.table
         );
-        let mut written = 0;
-        for write in writes {
-            written += sqlx::query(AssertSqlSafe(statement.as_str()))
-                .persistent(false)
-                .bind(&write.fingerprint[..])
-                .bind(&write.body)
-                .bind(&write.record.scope)
-                .bind(&write.record.key)
-                .bind(write.record.lease)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        }
+        let changed = sqlx::postgres::PgQueryResult::rows_affected;
+        let written = reseal_each::<Postgres>(&mut tx, &statement, writes, changed).await?;
         tx.commit().await?;
         Ok(written)
     }

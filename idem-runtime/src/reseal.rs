@@ -204,14 +204,7 @@ impl<DB: Backend> Idempotency<DB> {
 /// What `record` needs to be current under `ring`'s newest key.
 fn next(ring: &KeyRing, record: &KeyRecord, plain: bool) -> Result<Next, sqlx::Error> {
     let newest: Option<KeyId> = ring.ids().next();
-    let row = Sealed {
-        scope: &record.scope,
-        key: &record.key,
-        method: &record.method,
-        path: &record.path,
-        content_type: record.content_type.as_deref(),
-        fingerprint: &record.fingerprint,
-    };
+    let row = record.sealed_row();
     let keyed_by_newest =
         newest.is_some_and(|id| record.fingerprint.get(..8) == Some(&id.as_bytes()[..]));
     let opened;

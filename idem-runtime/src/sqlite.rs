@@ -13,7 +13,7 @@ use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
-use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
+use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch, reseal_each};
 use crate::lease::{self, Dialect, Statements};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -357,18 +357,8 @@ impl Driver for Sqlite {
              WHERE scope = ?3 AND idempotency_key = ?4 AND lease = ?5 AND state = 'completed'",
             sql.table
         );
-        let mut written = 0;
-        for write in writes {
-            written += sqlx::query(AssertSqlSafe(statement.as_str()))
-                .bind(&write.fingerprint[..])
-                .bind(&write.body)
-                .bind(&write.record.scope)
-                .bind(&write.record.key)
-                .bind(write.record.lease)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        }
+        let changed = sqlx::sqlite::SqliteQueryResult::rows_affected;
+        let written = reseal_each::<Sqlite>(&mut tx, &statement, writes, changed).await?;
         tx.commit().await?;
         Ok(written)
     }

@@ -101,6 +101,12 @@
 
 #![allow(missing_docs)]
 
+#[path = "common/lite_floor.rs"]
+mod lite_floor;
+#[path = "common/my_floor.rs"]
+#[macro_use]
+mod my_floor;
+use my_floor::hex;
 #[path = "common/pg_floor.rs"]
 mod pg_floor;
 #[path = "common/shop.rs"]
@@ -358,30 +364,7 @@ async fn floor_postgres(
     Ok((StatusCode::CREATED, out))
 }
 
-/// The record of MySQL's floor and bounds: a completed row for the key, its
-/// response body the second parameter.
-macro_rules! mysql_record {
-    () => {
-        "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-             fingerprint, status, headers, body, locked_until, expires_at, created_at) \
-         SELECT '', ?, 'completed', 1, 'POST', '/payments', REPEAT(x'00', 32), 201, '', ?, \
-             UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 DAY, \
-             UTC_TIMESTAMP(6) \
-         FROM DUAL"
-    };
-}
-
-/// The record written only while this session holds the key's named lock.
-const MYSQL_RECORD_LOCKED: &str = concat!(
-    mysql_record!(),
-    " WHERE IS_USED_LOCK(@lock) = CONNECTION_ID()"
-);
-
-/// MySQL's floor for a new key: in the round trip of `BEGIN`, the session's
-/// timeouts set (their values saved), the key's named try-lock
-/// (`GET_LOCK(…, 0)`), a `COMMIT` and a `SELECT`, before the `BEGIN`, that fails
-/// unless the lock was taken and the key has no row; the write; the record
-/// inserted; the COMMIT with the timeouts' restore and the lock's release. A key found stored or locked is read and
+/// MySQL's floor (`common/my_floor.rs`). A key found stored or locked is read and
 /// answered then. `ONE_TRIP = false` (`hand-written-previous`): the design before
 /// the check rode on `BEGIN`, the row read after it.
 async fn hand_written_mysql<const ONE_TRIP: bool>(
@@ -391,24 +374,8 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
         let mut conn = app.pool.acquire().await?;
-        let lock = format!("MD5(X'{}')", hex(key.as_bytes()));
-        let check = if ONE_TRIP {
-            format!(
-                "COMMIT; SELECT 18446744073709551615 + IF(@locked <=> 1, 0, 1) + EXISTS (SELECT 1 \
-                     FROM idempotency_keys WHERE scope = '' AND idempotency_key = X'{}'); ",
-                hex(key.as_bytes())
-            )
-        } else {
-            String::new()
-        };
-        let begin = format!(
-            "SET @wait = @@SESSION.wait_timeout, @lock_wait = @@SESSION.innodb_lock_wait_timeout, \
-                 SESSION wait_timeout = 30, SESSION innodb_lock_wait_timeout = 30, \
-                 @lock = {lock}, @locked = GET_LOCK({lock}, 0); \
-             {check}BEGIN"
-        );
-        let finish = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
-                      @released = RELEASE_LOCK(@lock)";
+        let begin = my_floor::begin(&key, ONE_TRIP);
+        let finish = my_floor::FINISH;
         let read = sqlx::query_as(
             "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
              LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
@@ -419,7 +386,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
             Err(error) => error,
         };
         let taken =
-            matches!(&error, sqlx::Error::Database(e) if e.code().as_deref() == Some("22003"));
+            matches!(&error, sqlx::Error::Database(e) if e.code().as_deref() == Some(my_floor::TAKEN));
         if !(ONE_TRIP && taken) {
             return Err(error);
         }
@@ -464,7 +431,7 @@ async fn mysql_new_key<const ONE_TRIP: bool>(
     }
     let payment = MySql::insert(&mut tx, key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
-    sqlx::query(MYSQL_RECORD_LOCKED)
+    sqlx::query(my_floor::RECORD_LOCKED)
         .bind(key)
         .bind(&out)
         .execute(&mut *tx)
@@ -553,7 +520,7 @@ async fn floor_parts_mysql(
     let payment = MySql::insert(&mut tx, &key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
     let record = if parts.lock {
-        MYSQL_RECORD_LOCKED
+        my_floor::RECORD_LOCKED
     } else {
         mysql_record!()
     };
@@ -645,11 +612,6 @@ async fn parts_mysql(State(app): State<App<MySql>>, headers: HeaderMap, body: By
     .await
 }
 
-/// Lowercase hex of `bytes`, for a literal in a text query.
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// SQLite's floor for a new key: look the key up; in one write transaction
 /// (`BEGIN IMMEDIATE`), claim it with an INSERT that does nothing on conflict, the
 /// write, the record.
@@ -660,43 +622,30 @@ async fn hand_written_sqlite(
 ) -> Response {
     by_hand(&headers, &body, |key, new| async move {
         let mut conn = app.pool.acquire().await?;
-        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
-            "SELECT state, body FROM idempotency_keys WHERE scope = '' AND idempotency_key = ?1",
-        )
-        .bind(&key)
-        .fetch_optional(&mut *conn)
-        .await?;
+        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(lite_floor::LOOKUP)
+            .bind(&key)
+            .fetch_optional(&mut *conn)
+            .await?;
         if let Some(answer) = answer_stored(found) {
             return Ok(answer);
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let now = lite_floor::now_ms();
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
-        let claimed: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
-                 fingerprint, locked_until, expires_at, created_at) \
-             VALUES ('', ?1, 'processing', 1, 'POST', '/payments', x'00', ?2 + 30000, \
-                 ?2 + 86400000, ?2) \
-             ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING lease",
-        )
-        .bind(&key)
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await?;
+        let claimed: Option<i64> = sqlx::query_scalar(lite_floor::CLAIM)
+            .bind(&key)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?;
         if claimed.is_none() {
             return Ok((StatusCode::CONFLICT, Vec::new()));
         }
         let payment = Sqlite::insert(&mut tx, &key, &new).await?;
         let out = serde_json::to_vec(&payment).unwrap_or_default();
-        sqlx::query(
-            "UPDATE idempotency_keys SET state = 'completed', status = 201, headers = x'', body = ?2 \
-             WHERE scope = '' AND idempotency_key = ?1 AND lease = 1",
-        )
-        .bind(&key)
-        .bind(&out)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(lite_floor::RECORD)
+            .bind(&key)
+            .bind(&out)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok((StatusCode::CREATED, out))
     })

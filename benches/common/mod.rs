@@ -2,6 +2,9 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod lite_floor;
+#[macro_use]
+pub mod my_floor;
 pub mod pg_floor;
 
 use std::sync::Arc;

@@ -382,20 +382,21 @@ impl Driver for MySql {
         }
         // A completed key this process kept was answered from its replay cache
         // before this; any other is probably new, so the claim is one round trip,
-        // whose check fails unless the key's lock is taken and it has no row
-        // (`new_key_check`), and whose `BEGIN` then opens the handler's transaction.
-        let text = claim_text(sql, id, claim, Some(&new_key_check(sql, id)));
+        // whose `BEGIN` opens the handler's transaction and whose claim row, inserted
+        // only if the key's lock is taken and it has no row (`begin_text` with
+        // `New::Only`), fails the text otherwise.
+        let text = claim_text(sql, id, claim, true);
         match conn.begin_with(AssertSqlSafe(text)).await {
             // Adopted here, so that the connection is free for the arm below.
             Ok(tx) => return Ok(Opened::Adopted(Open::adopt(tx))),
             Err(error) if taken(&error) => {}
             Err(error) => return Err(error),
         }
-        // Stored, or its lock busy: the text stopped at the check, before its
-        // `BEGIN`. What is stored is read, then the claim frees what it took (and
-        // ends the transaction a session with `autocommit = 0` opened for the
-        // reads). (A row swept between the check and the read answers as in flight:
-        // the retry claims the key.)
+        // Stored, or its lock busy: the text stopped at the claim row, in the
+        // transaction its `BEGIN` opened, which the read ends. What is stored is
+        // read, then the claim frees what it took (and ends the transaction a
+        // session with `autocommit = 0` opened for the read). (A row swept between
+        // the claim and the read answers as in flight: the retry claims the key.)
         let (_, found) = read(conn, sql, id).await?;
         sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
             .execute(&mut *conn)
@@ -414,13 +415,13 @@ impl Driver for MySql {
         }
         // A row the engine found expired or abandoned, read again under the lock:
         // whoever took the lock meanwhile may have recorded it since.
-        let text = claim_text(sql, id, claim, None);
+        let text = claim_text(sql, id, claim, false);
         sqlx::raw_sql(AssertSqlSafe(text))
             .execute(&mut *conn)
             .await?;
         let (locked, found) = read(conn, sql, id).await?;
         if locked && found.as_ref().is_none_or(Found::replaceable) {
-            let text = begin_text(sql, id, claim);
+            let text = begin_text(sql, id, claim, New::OrReplace);
             return conn.begin_with(AssertSqlSafe(text)).await.map(Some);
         }
         sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
@@ -941,29 +942,23 @@ async fn in_place(
 
 /// What the claim takes on the session, as one text: the session's timeouts set
 /// to its lock and `autocommit` to 0 (their own values saved, for `finish` to
-/// restore), the key's named
-/// lock tried and the claim's times by the database clock; a `COMMIT`; then
-/// `check` and `begin_text`, when given. The key's row is read only after the
-/// lock and outside the handler's transaction: on its own, a plain `SELECT` is a
-/// consistent read at every isolation level, where inside the transaction
-/// SERIALIZABLE would make it a locking read, whose lock on the index's gap holds
-/// up other keys' records (measured: one waited for minutes, starved by the
-/// checks of the keys after it). The `COMMIT` ends a transaction that a session
-/// with `autocommit = 0` may hold open, whose snapshot could predate the lock;
-/// there, the reads open a transaction of their own, which the `BEGIN` or the
-/// claim's `rollback` ends.
-fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -> String {
+/// restore), the key's named lock tried and the claim's times by the database
+/// clock; a `COMMIT`, which ends a transaction that a session with `autocommit = 0`
+/// may hold open, whose snapshot could predate the lock; then, for a key that is
+/// probably `new`, the handler's transaction with the claim's row in it
+/// (`begin_text` with `New::Only`), which fails the text unless the lock was taken
+/// and the key has no row. A row of the key is found by the insert itself, which
+/// sees every row committed before the lock's last holder let it go; it used to be
+/// a `SELECT` of its own before the `BEGIN` (docs/backends.md, "MySQL's cost").
+fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, new: bool) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     let lock_us = claim.lock_ms.saturating_mul(1000);
     let lock = lock_name(sql, id);
-    let then = check
-        .map(|check| {
-            format!(
-                "; {READ_COMMITTED_ONCE}; {check}; {}",
-                begin_text(sql, id, claim)
-            )
-        })
-        .unwrap_or_default();
+    let then = if new {
+        format!("; {}", begin_text(sql, id, claim, New::Only))
+    } else {
+        String::new()
+    };
     // One SET evaluates every value before it assigns any: the saved timeouts are
     // the session's own, and the lock's name is stored before the lock is tried.
     format!(
@@ -980,22 +975,43 @@ fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, check: Option<&str>) -
     )
 }
 
+/// Which rows of the key the claim's row may meet.
+#[derive(Clone, Copy)]
+enum New {
+    /// None: the insert fails on a stored row (1062) and, before it looks, on a
+    /// lock not taken (1690, see `taken`).
+    Only,
+    /// An expired or abandoned one, read under the lock: replaced whole.
+    OrReplace,
+}
+
 /// Opens the handler's transaction with the claim's row in it: completed, with no
 /// body (what `Found::ended` recognizes), never seen by another session unless the
 /// database commits the transaction before idem records the answer over it. Then
 /// every later transaction of the session is made read-only (`LATER_READ_ONLY`).
 /// So a handler whose transaction was committed behind idem's back leaves a row
 /// that answers `transaction-ended` for the key's ttl, even if its process dies
-/// before it answers: the key is never run twice.
-fn begin_text(sql: &Sql, id: &Identity<'_>, claim: Claim) -> String {
+/// before it answers: the key is never run twice. Scope, key and the rest are
+/// written as hex, which cannot end the literal.
+fn begin_text(sql: &Sql, id: &Identity<'_>, claim: Claim, new: New) -> String {
     let ttl_us = claim.ttl_ms.saturating_mul(1000);
+    // The largest `BIGINT UNSIGNED` plus 1 is error 1690 whatever the `sql_mode`,
+    // raised before the insert looks for the key; a plain `SELECT` of the key
+    // before the `BEGIN` did this, for about 60 µs of the server's CPU.
+    let (guard, replace) = match new {
+        New::Only => (
+            " WHERE 18446744073709551615 + IF(@idem_locked <=> 1, 0, 1) > 0",
+            String::new(),
+        ),
+        New::OrReplace => ("", format!(" ON DUPLICATE KEY UPDATE {REPLACE_ALL}")),
+    };
     format!(
         "BEGIN; \
          INSERT INTO {} (scope, idempotency_key, state, lease, method, path, fingerprint, \
                 content_type, status, headers, body, locked_until, expires_at, created_at) \
-         VALUES (X'{}', X'{}', 'completed', {}, X'{}', X'{}', X'{}', X'{}', 500, NULL, NULL, \
-                @idem_until, @idem_at + INTERVAL {ttl_us} MICROSECOND, @idem_at) \
-         ON DUPLICATE KEY UPDATE {REPLACE_ALL}; \
+         SELECT X'{}', X'{}', 'completed', {}, X'{}', X'{}', X'{}', X'{}', 500, NULL, NULL, \
+                @idem_until, @idem_at + INTERVAL {ttl_us} MICROSECOND, @idem_at \
+         FROM DUAL{guard}{replace}; \
          {LATER_READ_ONLY}",
         sql.table,
         to_hex(id.scope.as_bytes()),
@@ -1051,24 +1067,6 @@ fn read_only(error: &sqlx::Error) -> bool {
         .is_some_and(|error| error.number() == READ_ONLY_TRANSACTION)
 }
 
-/// The statement of the claim that fails unless the lock was taken and the key
-/// has no row: sqlx's `BEGIN` returns no rows, but its error comes back, and the
-/// text stops there, before its `BEGIN`. The largest `BIGINT UNSIGNED` plus 1 for
-/// a busy lock or a stored row is error 1690, whatever the `sql_mode` (which `DO`
-/// would turn into a warning). It reads after the lock: its snapshot holds every
-/// row committed before the lock's last holder let it go. A plain `SELECT` is a
-/// consistent read, where `SET` over the same subquery would lock the index's gap
-/// and hold up other keys' records. Scope and key are written as hex, which
-/// cannot end the literal.
-fn new_key_check(sql: &Sql, id: &Identity<'_>) -> String {
-    format!(
-        "SELECT 18446744073709551615 + IF(@idem_locked <=> 1, 0, 1) \
-                + EXISTS (SELECT 1 FROM {} WHERE {})",
-        sql.table,
-        key_filter(id),
-    )
-}
-
 /// `id`'s row as a condition written into a text query: scope and key as hex
 /// literals, which cannot end the literal and compare as bytes.
 fn key_filter(id: &Identity<'_>) -> String {
@@ -1079,19 +1077,18 @@ fn key_filter(id: &Identity<'_>) -> String {
     )
 }
 
-/// Whether `error` is `new_key_check` failing: the key is locked or stored.
+/// Whether `error` is the claim's row refused (`New::Only`): the key's lock is
+/// busy (1690) or the key is stored (1062, a duplicate key).
 fn taken(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|error| error.try_downcast_ref::<MySqlDatabaseError>())
-        .is_some_and(|error| error.number() == 1690)
+    matches!(error_number(error), Some(1690 | 1062))
 }
 
 /// Reads after the claim's lock, outside the handler's transaction (see
 /// `claim_text`), in one statement: whether the lock was taken and what is
-/// stored, committed rows only (`READ_COMMITTED_ONCE`). On a session with
-/// `autocommit = 0` the check before it may have opened a transaction, which the
-/// `COMMIT` ends: a transaction's isolation cannot be set while one is open.
+/// stored, committed rows only (`READ_COMMITTED_ONCE`). The `COMMIT` ends the
+/// transaction a refused claim row was tried in (and the one a session with
+/// `autocommit = 0` opens): a transaction's isolation cannot be set while one is
+/// open.
 async fn read(
     conn: &mut MySqlConnection,
     sql: &Sql,

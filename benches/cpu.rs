@@ -26,10 +26,13 @@
 //! - `bare`: the business write in a transaction;
 //! - `floor`: the hand-written floor of the HTTP bench (`hand-written`;
 //!   `common/pg_floor.rs`, `common/my_floor.rs`, `common/lite_floor.rs`);
-//! - `floor-guarded` (PostgreSQL): the same with the two guarantees idem gives past
-//!   the claim (the HTTP bench's `hand-written-guarded`): the key's session lock,
-//!   taken in `BEGIN`'s round trip and let go in the record's, and the session
-//!   state saved there and checked by the record;
+//! - `floor-guarded` (PostgreSQL, MySQL): the same with the guarantees idem gives
+//!   past the claim (the HTTP bench's `hand-written-guarded`). PostgreSQL: the
+//!   key's session lock, taken in `BEGIN`'s round trip and let go in the
+//!   record's, and the session state saved there and checked by the record.
+//!   MySQL: the claim's row written in the transaction before the handler runs,
+//!   later transactions read-only, `autocommit` off, MariaDB's timeouts set to
+//!   the lock (`common/my_floor.rs`);
 //! - `idem-first`: `Idempotency::execute`, a new key per request (on PostgreSQL
 //!   through the table's functions, upgrade 4, its schema open to every role);
 //! - `idem-statements` (PostgreSQL): the same, on a schema closed to other roles,
@@ -233,19 +236,29 @@ async fn pool_in(options: &PgConnectOptions, schema: &str) -> Result<PgPool, sql
         .await
 }
 
-/// MySQL's floor (`common/my_floor.rs`), on the engine bench's tables.
-async fn my_floor(pool: &MySqlPool, key: &str) -> Result<(), sqlx::Error> {
+/// MySQL's floor (`common/my_floor.rs`), on the engine bench's tables;
+/// `guarded`, with idem's guarantees past the claim (`hand-written-guarded`).
+async fn my_floor(pool: &MySqlPool, key: &str, guarded: bool) -> Result<(), sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    let begin = my_floor::begin(key, true);
+    let begin = if guarded {
+        my_floor::begin_guarded(key)
+    } else {
+        my_floor::begin(key, true)
+    };
     let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
     sqlx::query(INSERT).execute(&mut *tx).await?;
-    let done = sqlx::query(my_floor::RECORD_LOCKED)
-        .bind(key)
-        .bind(ANSWER)
-        .execute(&mut *tx)
-        .await?;
+    let record = if guarded {
+        sqlx::query(my_floor::RECORD_GUARDED).bind(ANSWER).bind(key)
+    } else {
+        sqlx::query(my_floor::RECORD_LOCKED).bind(key).bind(ANSWER)
+    };
+    let done = record.execute(&mut *tx).await?;
     assert_eq!(done.rows_affected(), 1, "the floor recorded {key}");
-    let commit = format!("COMMIT; {}", my_floor::FINISH);
+    let commit = if guarded {
+        format!("COMMIT; {}", my_floor::restore_guarded())
+    } else {
+        format!("COMMIT; {}", my_floor::FINISH)
+    };
     sqlx::raw_sql(AssertSqlSafe(commit))
         .execute(&mut *tx)
         .await?;
@@ -402,7 +415,7 @@ async fn mysql(run: &Run) {
     let me = std::process::id().to_string();
     let mut seen = Seen::default();
     let mut n = 0u64;
-    let variants = run.variants(&["bare", "floor", "idem-first"]);
+    let variants = run.variants(&["bare", "floor", "floor-guarded", "idem-first"]);
     for _ in 0..run.rounds {
         for &variant in &variants {
             let (Some(db0), Some(app0)) = (cpu_ns(&server, true), cpu_ns(&me, false)) else {
@@ -418,7 +431,8 @@ async fn mysql(run: &Run) {
                         sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
                         tx.commit().await.expect("bare");
                     }
-                    "floor" => my_floor(&floor, &key).await.expect("floor"),
+                    "floor" => my_floor(&floor, &key, false).await.expect("floor"),
+                    "floor-guarded" => my_floor(&floor, &key, true).await.expect("floor"),
                     _ => execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await,
                 }
             }

@@ -53,11 +53,14 @@
 //!   the round trip of `BEGIN` the session's timeouts set, the key's
 //!   `GET_LOCK(…, 0)` and, before the `BEGIN`, a check that fails unless it was
 //!   taken and the key has no row, the write, the record inserted, the lock freed
-//!   and the timeouts restored with the COMMIT (`hand-written-previous`, for `--paired` only: the
+//!   and the timeouts restored with the COMMIT (`hand-written-guarded`: with
+//!   idem's guarantees past the claim, `common/my_floor.rs`;
+//!   `hand-written-previous`, for `--paired` only: the
 //!   row read after `BEGIN` instead of the check; `hand-written-minimal`: the
 //!   write and the record alone, a bound on any design; `hand-written-parts`:
 //!   that bound plus the floor's parts named in `IDEM_BENCH_FLOOR_PARTS`, of
-//!   `timeouts`, `lock`, `check`, and `onetrip` (the record sent as text in the
+//!   `timeouts`, `lock`, `check`, `maria`, `autocommit`, `readonly` (as idem sets
+//!   them), and `onetrip` (the record sent as text in the
 //!   COMMIT's round trip); `hand-written-row`: the claim as the key's row,
 //!   held by the transaction, instead of the named lock and the check; these
 //!   three run only when `--only` or `--paired` names them). SQLite: a look-up,
@@ -402,6 +405,66 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
     .await
 }
 
+/// MySQL's guarded floor (`common/my_floor.rs`): the floor with idem's
+/// guarantees past the claim. A key found stored or locked is read and answered.
+async fn hand_written_guarded_mysql(
+    State(app): State<App<MySql>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    by_hand(&headers, &body, |key, new| async move {
+        let mut conn = app.pool.acquire().await?;
+        let begin = my_floor::begin_guarded(&key);
+        let error = match sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await {
+            Ok(tx) => return mysql_guarded_new_key(tx, &key, new).await,
+            Err(error) => error,
+        };
+        if !my_floor::taken_guarded(&error) {
+            return Err(error);
+        }
+        let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) = sqlx::query_as(
+            "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
+             LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
+        )
+        .bind(&key)
+        .fetch_one(&mut *conn)
+        .await?;
+        let rollback = format!("ROLLBACK; {}", my_floor::restore_guarded());
+        sqlx::raw_sql(AssertSqlSafe(rollback))
+            .execute(&mut *conn)
+            .await?;
+        let found = state.map(|state| (state, stored));
+        Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())))
+    })
+    .await
+}
+
+/// The rest of MySQL's guarded floor once the claim's row is in: the write, the
+/// record, the COMMIT with the restore.
+async fn mysql_guarded_new_key(
+    mut tx: sqlx::Transaction<'_, MySql>,
+    key: &str,
+    new: NewPayment,
+) -> Floor {
+    let payment = MySql::insert(&mut tx, key, &new).await?;
+    let out = serde_json::to_vec(&payment).unwrap_or_default();
+    let done = sqlx::query(my_floor::RECORD_GUARDED)
+        .bind(&out)
+        .bind(key)
+        .execute(&mut *tx)
+        .await?;
+    if done.rows_affected() != 1 {
+        return Ok((StatusCode::INTERNAL_SERVER_ERROR, Vec::new()));
+    }
+    let commit = format!("COMMIT; {}", my_floor::restore_guarded());
+    sqlx::raw_sql(AssertSqlSafe(commit))
+        .execute(&mut *tx)
+        .await?;
+    // The server committed; sqlx's guard sends a ROLLBACK that does nothing.
+    drop(tx);
+    Ok((StatusCode::CREATED, out))
+}
+
 /// The read of MySQL's floor: whether the lock was taken, and the key's row.
 type MySqlRead<'q> = sqlx::query::QueryAs<
     'q,
@@ -447,7 +510,8 @@ async fn mysql_new_key<const ONE_TRIP: bool>(
 
 /// Which of MySQL's floor's parts a bound sends (`hand-written-minimal`: none;
 /// `hand-written-parts`: those named in `IDEM_BENCH_FLOOR_PARTS`, of `timeouts`,
-/// `lock` and `check`), to tell what each one costs. `onetrip` changes how the
+/// `lock`, `check`, `maria`, `autocommit` and `readonly`), to tell what each one
+/// costs. `onetrip` changes how the
 /// record goes out: as text with the COMMIT, failing (1690) when it wrote nothing,
 /// one round trip and one command fewer than the floor's.
 #[derive(Clone, Copy, Default)]
@@ -456,6 +520,13 @@ struct FloorParts {
     lock: bool,
     check: bool,
     onetrip: bool,
+    /// MariaDB's idle and statement timeouts, saved, set and restored as idem's
+    /// claim does.
+    maria: bool,
+    /// `autocommit` saved, 0 for the claim, restored.
+    autocommit: bool,
+    /// Later transactions read-only after `BEGIN`, read-write again after COMMIT.
+    readonly: bool,
 }
 
 impl FloorParts {
@@ -470,6 +541,9 @@ impl FloorParts {
                 lock: has("lock"),
                 check: has("check"),
                 onetrip: has("onetrip"),
+                maria: has("maria"),
+                autocommit: has("autocommit"),
+                readonly: has("readonly"),
             }
         })
     }
@@ -503,6 +577,26 @@ async fn floor_parts_mysql(
         set.push(format!("@lock = {lock}, @locked = GET_LOCK({lock}, 0)"));
         finish.push("@released = RELEASE_LOCK(@lock)");
     }
+    if parts.maria {
+        for name in [
+            "idle_transaction_timeout",
+            "idle_write_transaction_timeout",
+            "idle_readonly_transaction_timeout",
+            "max_statement_time",
+        ] {
+            set.push(format!("@{name} = @@SESSION.{name}, SESSION {name} = 30"));
+        }
+        finish.push(
+            "SESSION idle_transaction_timeout = @idle_transaction_timeout, \
+             idle_write_transaction_timeout = @idle_write_transaction_timeout, \
+             idle_readonly_transaction_timeout = @idle_readonly_transaction_timeout, \
+             max_statement_time = @max_statement_time",
+        );
+    }
+    if parts.autocommit {
+        set.push("@autocommit = @@SESSION.autocommit, SESSION autocommit = 0".to_owned());
+        finish.push("SESSION autocommit = @autocommit");
+    }
     let mut begin = if set.is_empty() {
         String::new()
     } else {
@@ -516,6 +610,9 @@ async fn floor_parts_mysql(
         ));
     }
     begin.push_str("BEGIN");
+    if parts.readonly {
+        begin.push_str("; SET SESSION TRANSACTION READ ONLY");
+    }
     let mut tx = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await?;
     let payment = MySql::insert(&mut tx, &key, &new).await?;
     let out = serde_json::to_vec(&payment).unwrap_or_default();
@@ -543,10 +640,20 @@ async fn floor_parts_mysql(
         .bind(&out)
         .execute(&mut *tx)
         .await?;
-    if finish.is_empty() {
+    if finish.is_empty() && !parts.readonly {
         tx.commit().await?;
     } else {
-        let commit = format!("COMMIT; SET {}", finish.join(", "));
+        let readonly = if parts.readonly {
+            "SET SESSION TRANSACTION READ WRITE; "
+        } else {
+            ""
+        };
+        let restore = if finish.is_empty() {
+            String::new()
+        } else {
+            format!("SET {}", finish.join(", "))
+        };
+        let commit = format!("COMMIT; {readonly}{restore}");
         sqlx::raw_sql(AssertSqlSafe(commit))
             .execute(&mut *tx)
             .await?;
@@ -701,6 +808,7 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 size as usize,
                 vec![
                     ("hand-written", post(hand_written_mysql::<true>)),
+                    ("hand-written-guarded", post(hand_written_guarded_mysql)),
                     ("hand-written-previous", post(hand_written_mysql::<false>)),
                     ("hand-written-minimal", post(minimal_mysql)),
                     ("hand-written-parts", post(parts_mysql)),
@@ -2138,7 +2246,8 @@ fn main() {
 /// sealing on; on PostgreSQL also
 /// `hand-written-minimal`, the floor without the savepoint and the timeouts, and
 /// `hand-written-guarded`, the floor with idem's session lock and saves; on
-/// MySQL `hand-written-previous`, the floor of the design before the claim's
+/// MySQL `hand-written-guarded`, the floor with idem's guarantees past the claim,
+/// `hand-written-previous`, the floor of the design before the claim's
 /// check rode on `BEGIN`, `hand-written-minimal`, the write and the record
 /// alone, `hand-written-parts` and `hand-written-row`).
 async fn paired(settings: &Settings, target: &Target, pair: &str) {
@@ -2160,7 +2269,7 @@ async fn paired(settings: &Settings, target: &Target, pair: &str) {
     else {
         eprintln!(
             "--paired takes two of bare, hand-written, hand-written-minimal (PostgreSQL, MySQL), \
-             hand-written-guarded (PostgreSQL), hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
+             hand-written-guarded (PostgreSQL, MySQL), hand-written-previous, hand-written-parts, hand-written-row (MySQL), \
              idem-first, idem-first-sealed: {pair:?}"
         );
         return;
@@ -2498,7 +2607,7 @@ async fn bench_backend(settings: &Settings, target: &Target, args: &[String]) ->
         if only.contains(&"hand-written-minimal") && !matches!(target, Target::Sqlite { .. }) {
             variants.insert(2, ("hand-written-minimal", "hand-written-minimal"));
         }
-        if only.contains(&"hand-written-guarded") && matches!(target, Target::Postgres { .. }) {
+        if only.contains(&"hand-written-guarded") && !matches!(target, Target::Sqlite { .. }) {
             variants.insert(2, ("hand-written-guarded", "hand-written-guarded"));
         }
         // Sealing on and off, same run: first executions, and replays read from

@@ -379,11 +379,7 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
         let mut conn = app.pool.acquire().await?;
         let begin = my_floor::begin(&key, ONE_TRIP);
         let finish = my_floor::FINISH;
-        let read = sqlx::query_as(
-            "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
-             LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
-        )
-        .bind(&key);
+        let read = sqlx::query_as(my_floor::READ).bind(&key);
         let error = match sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin)).await {
             Ok(tx) => return mysql_new_key::<ONE_TRIP>(tx, read, finish, &key, new).await,
             Err(error) => error,
@@ -394,15 +390,24 @@ async fn hand_written_mysql<const ONE_TRIP: bool>(
             return Err(error);
         }
         // The text stopped at the check, before its `BEGIN`.
-        let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) =
-            read.fetch_one(&mut *conn).await?;
-        sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {finish}")))
-            .execute(&mut *conn)
-            .await?;
-        let found = state.map(|state| (state, stored));
-        Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())))
+        mysql_answer_taken(&mut conn, read, finish).await
     })
     .await
+}
+
+/// A MySQL floor's answer for a key found taken: `read`, then `ROLLBACK` with
+/// `finish`, then the stored answer or a 409.
+async fn mysql_answer_taken(
+    conn: &mut MySqlConnection,
+    read: MySqlRead<'_>,
+    finish: &str,
+) -> Floor {
+    let (_, state, stored) = read.fetch_one(&mut *conn).await?;
+    sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {finish}")))
+        .execute(&mut *conn)
+        .await?;
+    let found = state.map(|state| (state, stored));
+    Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())))
 }
 
 /// MySQL's guarded floor (`common/my_floor.rs`): the floor with idem's
@@ -422,19 +427,8 @@ async fn hand_written_guarded_mysql(
         if !my_floor::taken_guarded(&error) {
             return Err(error);
         }
-        let (_, state, stored): (i64, Option<String>, Option<Vec<u8>>) = sqlx::query_as(
-            "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
-             LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?",
-        )
-        .bind(&key)
-        .fetch_one(&mut *conn)
-        .await?;
-        let rollback = format!("ROLLBACK; {}", my_floor::restore_guarded());
-        sqlx::raw_sql(AssertSqlSafe(rollback))
-            .execute(&mut *conn)
-            .await?;
-        let found = state.map(|state| (state, stored));
-        Ok(answer_stored(found).unwrap_or((StatusCode::CONFLICT, Vec::new())))
+        let read = sqlx::query_as(my_floor::READ).bind(&key);
+        mysql_answer_taken(&mut conn, read, &my_floor::restore_guarded()).await
     })
     .await
 }

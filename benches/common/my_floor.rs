@@ -42,6 +42,11 @@ pub const RECORD_LOCKED: &str = concat!(
 pub const FINISH: &str = "SET SESSION wait_timeout = @wait, innodb_lock_wait_timeout = @lock_wait, \
                           @released = RELEASE_LOCK(@lock)";
 
+/// The read of a key found taken: whether the lock was taken, the key's state
+/// and body (the key is the parameter).
+pub const READ: &str = "SELECT CAST(@locked AS SIGNED), r.state, r.body FROM (SELECT 1 AS one) AS o \
+     LEFT JOIN idempotency_keys AS r ON r.scope = '' AND r.idempotency_key = ?";
+
 /// The check's error when the key is locked or stored: out of range (1690).
 pub const TAKEN: &str = "22003";
 

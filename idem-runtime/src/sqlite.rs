@@ -18,6 +18,12 @@ use crate::lease::{self, Dialect, Statements};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
+/// Set right after the handler's transaction begins: it lives as long as that
+/// transaction, so releasing it before the record fails ("no such savepoint")
+/// when the handler ended the transaction, whether or not it began one of its
+/// own since. Savepoints the handler sets nest inside it.
+const HANDLER_SAVEPOINT: &str = "idem_handler";
+
 /// Times are integer milliseconds since the Unix epoch.
 const DIALECT: Dialect = Dialect {
     now: NOW_MS,
@@ -68,7 +74,24 @@ impl Driver for Sqlite {
     fn idem_sql(table: &str, layout: Layout, _pool: &sqlx::SqlitePool) -> Sql {
         let name = table;
         let table = format!("main.{name}");
+        let claim = format!(
+            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                    fingerprint, locked_until, expires_at, created_at, content_type) \
+             VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, \
+                    {NOW_MS}, ?9) \
+             ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
+                    state = 'processing', lease = excluded.lease, method = excluded.method, \
+                    path = excluded.path, fingerprint = excluded.fingerprint, \
+                    content_type = excluded.content_type, status = NULL, \
+                    headers = NULL, body = NULL, locked_until = excluded.locked_until, \
+                    expires_at = excluded.expires_at, created_at = excluded.created_at \
+             WHERE {name}.expires_at <= {NOW_MS} \
+                OR ({name}.state = 'processing' AND {name}.locked_until <= {NOW_MS}) \
+             RETURNING lease"
+        );
+        let lease = Statements::new(&DIALECT, &table);
         Sql {
+            claim: claim.into(),
             begin: if layout.deferred {
                 "BEGIN DEFERRED"
             } else {
@@ -80,22 +103,6 @@ impl Driver for Sqlite {
                  FROM {table} WHERE scope = ?1 AND idempotency_key = ?2"
             )
             .into(),
-            claim: format!(
-                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                        fingerprint, locked_until, expires_at, created_at, content_type) \
-                 VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, \
-                        {NOW_MS}, ?9) \
-                 ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
-                        state = 'processing', lease = excluded.lease, method = excluded.method, \
-                        path = excluded.path, fingerprint = excluded.fingerprint, \
-                        content_type = excluded.content_type, status = NULL, \
-                        headers = NULL, body = NULL, locked_until = excluded.locked_until, \
-                        expires_at = excluded.expires_at, created_at = excluded.created_at \
-                 WHERE {name}.expires_at <= {NOW_MS} \
-                    OR ({name}.state = 'processing' AND {name}.locked_until <= {NOW_MS}) \
-                 RETURNING lease"
-            )
-            .into(),
             sweep: format!(
                 "DELETE FROM {table} WHERE rowid IN ( \
                     SELECT rowid FROM {table} \
@@ -103,7 +110,7 @@ impl Driver for Sqlite {
                     ORDER BY expires_at LIMIT ?1)"
             )
             .into(),
-            lease: Statements::new(&DIALECT, &table),
+            lease,
             table: table.into(),
             #[cfg(feature = "testing")]
             deferred_now: std::sync::atomic::AtomicBool::new(false),
@@ -165,9 +172,12 @@ impl Driver for Sqlite {
             return Ok(None);
         };
         // The busy timeout comes back in the same round trip as the `BEGIN`, which
-        // must wait for the writer as configured. If this fails the claim is
-        // committed: the engine releases it.
-        let begin = format!("PRAGMA busy_timeout = {patience}; {}", sql.begin());
+        // must wait for the writer as configured; the savepoint goes with it. If
+        // this fails the claim is committed: the engine releases it.
+        let begin = format!(
+            "PRAGMA busy_timeout = {patience}; {}; SAVEPOINT {HANDLER_SAVEPOINT}",
+            sql.begin()
+        );
         conn.begin_with(AssertSqlSafe(begin)).await.map(Some)
     }
 
@@ -185,7 +195,8 @@ impl Driver for Sqlite {
         response: Recorded<'c>,
         _announce: Option<u64>,
     ) -> Result<Written, sqlx::Error> {
-        if ended(conn, sql, id, claim.lease).await? {
+        if !handlers_transaction(conn).await? {
+            ended_behind(conn, sql, id, claim.lease).await?;
             return Ok(Written::Ended);
         }
         let record = || {
@@ -222,7 +233,8 @@ impl Driver for Sqlite {
         id: &Identity<'_>,
         claim: Claim,
     ) -> Result<bool, sqlx::Error> {
-        if ended(conn, sql, id, claim.lease).await? {
+        if !handlers_transaction(conn).await? {
+            ended_behind(conn, sql, id, claim.lease).await?;
             return Ok(true);
         }
         <Sqlite as sqlx::Database>::TransactionManager::rollback(conn).await?;
@@ -437,26 +449,27 @@ async fn claim_row(
     outcome
 }
 
-/// Whether the handler ended its own transaction (`COMMIT`, `END`, `ROLLBACK`):
-/// SQLite then ran what it sent next statement by statement, so some of its writes
-/// may be committed, outside the record. A `BEGIN` tells: refused inside a
-/// transaction, it opens one outside. When it was ended, the claim's row (committed
-/// before the handler ran) becomes a completed 500 with no body, answered
-/// `transaction-ended` for the key's ttl, in the transaction that `BEGIN` opened,
-/// which sqlx counts as the handler's and commits: the key never runs again.
-async fn ended(
+/// Marks the key `transaction-ended` once the handler has ended the transaction
+/// idem began (its savepoint is gone: `COMMIT`, `END`, `ROLLBACK`, or SQLite's own
+/// rollback). SQLite then ran what the handler sent next statement by statement, so
+/// some of its writes may be committed, outside the record; what it sent inside a
+/// transaction it began since is rolled back, as nothing of it can be recorded
+/// with the answer. The claim's row (committed before the handler ran) becomes a
+/// completed 500 with no body, answered `transaction-ended` for the key's ttl, in a
+/// transaction sqlx counts as the handler's and commits: the key never runs again.
+async fn ended_behind(
     conn: &mut SqliteConnection,
     sql: &Sql,
     id: &Identity<'_>,
     lease: i64,
-) -> Result<bool, sqlx::Error> {
-    match sqlx::raw_sql("BEGIN").execute(&mut *conn).await {
-        Err(sqlx::Error::Database(error)) if error.message().contains("within a transaction") => {
-            return Ok(false);
+) -> Result<(), sqlx::Error> {
+    match sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
+        Err(sqlx::Error::Database(error)) if error.message().contains("no transaction") => {}
+        rolled => {
+            rolled?;
         }
-        Err(error) => return Err(error),
-        Ok(_) => {}
     }
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
     tracing::error!("the handler ended its own transaction; the key keeps transaction-ended");
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE {} SET state = 'completed', status = 500, headers = NULL, body = NULL \
@@ -468,8 +481,23 @@ async fn ended(
     .bind(lease)
     .execute(&mut *conn)
     .await?;
-    <Sqlite as sqlx::Database>::TransactionManager::commit(conn).await?;
-    Ok(true)
+    <Sqlite as sqlx::Database>::TransactionManager::commit(conn).await
+}
+
+/// Whether the transaction idem began for the handler is still open: its
+/// savepoint, released here, is refused ("no such savepoint") once the handler
+/// ended it. A `BEGIN` used to tell, refused inside a transaction: inside one the
+/// handler began after ending idem's too, whose writes then went into the record's
+/// commit as if nothing had ended.
+async fn handlers_transaction(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let release = format!("RELEASE {HANDLER_SAVEPOINT}");
+    match sqlx::raw_sql(AssertSqlSafe(release)).execute(conn).await {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(error)) if error.message().contains("no such savepoint") => {
+            Ok(false)
+        }
+        Err(error) => Err(error),
+    }
 }
 
 /// A write refused because the session is read-only (`SQLITE_READONLY`): the

@@ -47,7 +47,16 @@ impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
 
     const SWEEPS_BESIDE_HANDLERS: bool = false;
 
-    const ENDING_STATEMENTS: &'static [&'static str] = &["COMMIT", "END", "ROLLBACK"];
+    // Each way of ending it, and each followed by a transaction of the handler's
+    // own, which idem must not take for the one it began.
+    const ENDING_STATEMENTS: &'static [&'static str] = &[
+        "COMMIT",
+        "END",
+        "ROLLBACK",
+        "COMMIT; BEGIN",
+        "END; BEGIN IMMEDIATE",
+        "ROLLBACK; BEGIN",
+    ];
 
     async fn start(max_response_bytes: usize) -> Option<Self> {
         let path = std::env::temp_dir().join(format!("{}.db", unique("idem_test")));

@@ -19,20 +19,23 @@
 //! - MySQL/MariaDB: every thread of the server process (the connection's, and
 //!   the background work it leaves, such as purging old row versions), unpinned;
 //!   the server's own durability settings apply.
-//! - SQLite (a WAL file, `synchronous = NORMAL`): the database runs in this
-//!   process, whose CPU time is the database's.
+//! - SQLite (a WAL file, sqlx's `synchronous = FULL`; `NORMAL` made the rounds'
+//!   CPU swing by half here): the database runs in this process, whose CPU time
+//!   is the database's.
 //!
 //! Variants:
 //! - `bare`: the business write in a transaction;
 //! - `floor`: the hand-written floor of the HTTP bench (`hand-written`;
 //!   `common/pg_floor.rs`, `common/my_floor.rs`, `common/lite_floor.rs`);
-//! - `floor-guarded` (PostgreSQL, MySQL): the same with the guarantees idem gives
+//! - `floor-guarded`: the same with the guarantees idem gives
 //!   past the claim (the HTTP bench's `hand-written-guarded`). PostgreSQL: the
 //!   key's session lock, taken in `BEGIN`'s round trip and let go in the
 //!   record's, and the session state saved there and checked by the record.
 //!   MySQL: the claim's row written in the transaction before the handler runs,
 //!   later transactions read-only, `autocommit` off, MariaDB's timeouts set to
-//!   the lock (`common/my_floor.rs`);
+//!   the lock (`common/my_floor.rs`). SQLite: the claim committed before the
+//!   handler's transaction, and a refused `BEGIN` before the record
+//!   (`common/lite_floor.rs`);
 //! - `idem-first`: `Idempotency::execute`, a new key per request (on PostgreSQL
 //!   through the table's functions, upgrade 4, its schema open to every role);
 //! - `idem-statements` (PostgreSQL): the same, on a schema closed to other roles,
@@ -267,22 +270,40 @@ async fn my_floor(pool: &MySqlPool, key: &str, guarded: bool) -> Result<(), sqlx
     Ok(())
 }
 
-/// SQLite's floor (`common/lite_floor.rs`), on the engine bench's tables.
-async fn lite_floor(pool: &SqlitePool, key: &str) -> Result<(), sqlx::Error> {
+/// SQLite's floor (`common/lite_floor.rs`), on the engine bench's tables;
+/// `guarded`, the claim committed before the transaction and the check that it is
+/// still open before the record (`hand-written-guarded`).
+async fn lite_floor(pool: &SqlitePool, key: &str, guarded: bool) -> Result<(), sqlx::Error> {
     let mut conn = pool.acquire().await?;
     let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(lite_floor::LOOKUP)
         .bind(key)
         .fetch_optional(&mut *conn)
         .await?;
     assert!(found.is_none(), "{key} is new");
+    let claim = || {
+        sqlx::query_scalar::<_, i64>(lite_floor::CLAIM)
+            .bind(key)
+            .bind(lite_floor::now_ms())
+    };
+    let claimed = if guarded {
+        claim().fetch_optional(&mut *conn).await?
+    } else {
+        None
+    };
     let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
-    let claimed: Option<i64> = sqlx::query_scalar(lite_floor::CLAIM)
-        .bind(key)
-        .bind(lite_floor::now_ms())
-        .fetch_optional(&mut *tx)
-        .await?;
+    let claimed = match claimed {
+        Some(lease) => Some(lease),
+        None => claim().fetch_optional(&mut *tx).await?,
+    };
     assert!(claimed.is_some(), "the floor claimed {key}");
     sqlx::query(INSERT).execute(&mut *tx).await?;
+    if guarded {
+        let refused = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
+        assert!(
+            refused.as_ref().is_err_and(lite_floor::in_transaction),
+            "the transaction is open: {refused:?}"
+        );
+    }
     sqlx::query(lite_floor::RECORD)
         .bind(key)
         .bind(ANSWER)
@@ -471,7 +492,7 @@ async fn sqlite(run: &Run) {
     let me = std::process::id().to_string();
     let mut seen = Seen::default();
     let mut n = 0u64;
-    let variants = run.variants(&["bare", "floor", "idem-first"]);
+    let variants = run.variants(&["bare", "floor", "floor-guarded", "idem-first"]);
     for _ in 0..run.rounds {
         for &variant in &variants {
             // The database is this process: every thread of it (sqlx runs SQLite
@@ -489,7 +510,8 @@ async fn sqlite(run: &Run) {
                         sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
                         tx.commit().await.expect("bare");
                     }
-                    "floor" => lite_floor(&pool, &key).await.expect("floor"),
+                    "floor" => lite_floor(&pool, &key, false).await.expect("floor"),
+                    "floor-guarded" => lite_floor(&pool, &key, true).await.expect("floor"),
                     _ => execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await,
                 }
             }

@@ -947,7 +947,7 @@ async fn in_place(
 /// (`begin_text` with `New::Only`), which fails the text unless the lock was taken
 /// and the key has no row. A row of the key is found by the insert itself, which
 /// sees every row committed before the lock's last holder let it go; it used to be
-/// a `SELECT` of its own before the `BEGIN` (docs/backends.md, "MySQL's cost").
+/// a `SELECT` of its own before the `BEGIN` (docs/backends.md, "First executions against the floor").
 fn claim_text(sql: &Sql, id: &Identity<'_>, claim: Claim, new: bool) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     let lock_us = claim.lock_ms.saturating_mul(1000);

@@ -74,24 +74,7 @@ impl Driver for Sqlite {
     fn idem_sql(table: &str, layout: Layout, _pool: &sqlx::SqlitePool) -> Sql {
         let name = table;
         let table = format!("main.{name}");
-        let claim = format!(
-            "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
-                    fingerprint, locked_until, expires_at, created_at, content_type) \
-             VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, \
-                    {NOW_MS}, ?9) \
-             ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
-                    state = 'processing', lease = excluded.lease, method = excluded.method, \
-                    path = excluded.path, fingerprint = excluded.fingerprint, \
-                    content_type = excluded.content_type, status = NULL, \
-                    headers = NULL, body = NULL, locked_until = excluded.locked_until, \
-                    expires_at = excluded.expires_at, created_at = excluded.created_at \
-             WHERE {name}.expires_at <= {NOW_MS} \
-                OR ({name}.state = 'processing' AND {name}.locked_until <= {NOW_MS}) \
-             RETURNING lease"
-        );
-        let lease = Statements::new(&DIALECT, &table);
         Sql {
-            claim: claim.into(),
             begin: if layout.deferred {
                 "BEGIN DEFERRED"
             } else {
@@ -103,6 +86,22 @@ impl Driver for Sqlite {
                  FROM {table} WHERE scope = ?1 AND idempotency_key = ?2"
             )
             .into(),
+            claim: format!(
+                "INSERT INTO {table} (scope, idempotency_key, state, lease, method, path, \
+                        fingerprint, locked_until, expires_at, created_at, content_type) \
+                 VALUES (?1, ?2, 'processing', ?3, ?4, ?5, ?6, {NOW_MS} + ?7, {NOW_MS} + ?8, \
+                        {NOW_MS}, ?9) \
+                 ON CONFLICT (scope, idempotency_key) DO UPDATE SET \
+                        state = 'processing', lease = excluded.lease, method = excluded.method, \
+                        path = excluded.path, fingerprint = excluded.fingerprint, \
+                        content_type = excluded.content_type, status = NULL, \
+                        headers = NULL, body = NULL, locked_until = excluded.locked_until, \
+                        expires_at = excluded.expires_at, created_at = excluded.created_at \
+                 WHERE {name}.expires_at <= {NOW_MS} \
+                    OR ({name}.state = 'processing' AND {name}.locked_until <= {NOW_MS}) \
+                 RETURNING lease"
+            )
+            .into(),
             sweep: format!(
                 "DELETE FROM {table} WHERE rowid IN ( \
                     SELECT rowid FROM {table} \
@@ -110,7 +109,7 @@ impl Driver for Sqlite {
                     ORDER BY expires_at LIMIT ?1)"
             )
             .into(),
-            lease,
+            lease: Statements::new(&DIALECT, &table),
             table: table.into(),
             #[cfg(feature = "testing")]
             deferred_now: std::sync::atomic::AtomicBool::new(false),

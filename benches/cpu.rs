@@ -312,6 +312,40 @@ async fn lite_floor(pool: &SqlitePool, key: &str, guarded: bool) -> Result<(), s
     tx.commit().await
 }
 
+/// `run`'s rounds of `variants`, one `request(variant, key)` after another, a new
+/// key each; the database's CPU is process `db`'s, every thread of it, this
+/// process's its main thread's. `None` without `/proc/<pid>/task`.
+async fn rounds<F, Fut>(
+    run: &Run,
+    variants: &[&'static str],
+    db: &str,
+    mut request: F,
+) -> Option<Seen>
+where
+    F: FnMut(&'static str, String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let me = std::process::id().to_string();
+    let mut seen = Seen::default();
+    let mut n = 0u64;
+    for _ in 0..run.rounds {
+        for &variant in variants {
+            let (Some(db0), Some(app0)) = (cpu_ns(db, true), cpu_ns(&me, false)) else {
+                eprintln!("no /proc/<pid>/schedstat here: skipped");
+                return None;
+            };
+            for _ in 0..run.requests {
+                n += 1;
+                request(variant, format!("k-{n}")).await;
+            }
+            let db1 = cpu_ns(db, true).unwrap_or(db0);
+            let app1 = cpu_ns(&me, false).unwrap_or(app0);
+            seen.add(variant, run.requests, (db0, db1), (app0, app1));
+        }
+    }
+    Some(seen)
+}
+
 async fn postgres(run: &Run) {
     let url = std::env::var("IDEM_TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
@@ -433,35 +467,24 @@ async fn mysql(run: &Run) {
     // The floor and `bare` on the store's tables, on a connection of their own.
     let (idem, floor) = (pool().await.expect("pool"), pool().await.expect("pool"));
     let store = prepare(&idem, "BIGINT AUTO_INCREMENT PRIMARY KEY").await;
-    let me = std::process::id().to_string();
-    let mut seen = Seen::default();
-    let mut n = 0u64;
     let variants = run.variants(&["bare", "floor", "floor-guarded", "idem-first"]);
-    for _ in 0..run.rounds {
-        for &variant in &variants {
-            let (Some(db0), Some(app0)) = (cpu_ns(&server, true), cpu_ns(&me, false)) else {
-                eprintln!("no /proc/<pid>/schedstat here: skipped");
-                return;
-            };
-            for _ in 0..run.requests {
-                n += 1;
-                let key = format!("k-{n}");
-                match variant {
-                    "bare" => {
-                        let mut tx = floor.begin().await.expect("bare");
-                        sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
-                        tx.commit().await.expect("bare");
-                    }
-                    "floor" => my_floor(&floor, &key, false).await.expect("floor"),
-                    "floor-guarded" => my_floor(&floor, &key, true).await.expect("floor"),
-                    _ => execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await,
-                }
+    let (floor, store) = (&floor, &store);
+    let seen = rounds(run, &variants, &server, |variant, key| async move {
+        match variant {
+            "bare" => {
+                let mut tx = floor.begin().await.expect("bare");
+                sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
+                tx.commit().await.expect("bare");
             }
-            let db1 = cpu_ns(&server, true).unwrap_or(db0);
-            let app1 = cpu_ns(&me, false).unwrap_or(app0);
-            seen.add(variant, run.requests, (db0, db1), (app0, app1));
+            "floor" => my_floor(floor, &key, false).await.expect("floor"),
+            "floor-guarded" => my_floor(floor, &key, true).await.expect("floor"),
+            _ => execute_insert(store, &key, Duration::ZERO, Outcome::Executed).await,
         }
-    }
+    })
+    .await;
+    let Some(seen) = seen else {
+        return;
+    };
     seen.print(
         "MySQL/MariaDB (every server thread)",
         run.rounds,
@@ -489,36 +512,27 @@ async fn sqlite(run: &Run) {
         .await
         .expect("sqlite");
     let store = prepare(&pool, "INTEGER PRIMARY KEY").await;
-    let me = std::process::id().to_string();
-    let mut seen = Seen::default();
-    let mut n = 0u64;
     let variants = run.variants(&["bare", "floor", "floor-guarded", "idem-first"]);
-    for _ in 0..run.rounds {
-        for &variant in &variants {
-            // The database is this process: every thread of it (sqlx runs SQLite
-            // on a worker thread of its own).
-            let Some(db0) = cpu_ns(&me, true) else {
-                eprintln!("no /proc/<pid>/schedstat here: skipped");
-                return;
-            };
-            for _ in 0..run.requests {
-                n += 1;
-                let key = format!("k-{n}");
-                match variant {
-                    "bare" => {
-                        let mut tx = pool.begin().await.expect("bare");
-                        sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
-                        tx.commit().await.expect("bare");
-                    }
-                    "floor" => lite_floor(&pool, &key, false).await.expect("floor"),
-                    "floor-guarded" => lite_floor(&pool, &key, true).await.expect("floor"),
-                    _ => execute_insert(&store, &key, Duration::ZERO, Outcome::Executed).await,
-                }
+    let (pool, store) = (&pool, &store);
+    // The database is this process: every thread of it (sqlx runs SQLite on a
+    // worker thread of its own).
+    let me = std::process::id().to_string();
+    let seen = rounds(run, &variants, &me, |variant, key| async move {
+        match variant {
+            "bare" => {
+                let mut tx = pool.begin().await.expect("bare");
+                sqlx::query(INSERT).execute(&mut *tx).await.expect("bare");
+                tx.commit().await.expect("bare");
             }
-            let db1 = cpu_ns(&me, true).unwrap_or(db0);
-            seen.add(variant, run.requests, (db0, db1), (db0, db1));
+            "floor" => lite_floor(pool, &key, false).await.expect("floor"),
+            "floor-guarded" => lite_floor(pool, &key, true).await.expect("floor"),
+            _ => execute_insert(store, &key, Duration::ZERO, Outcome::Executed).await,
         }
-    }
+    })
+    .await;
+    let Some(seen) = seen else {
+        return;
+    };
     seen.print(
         "SQLite (this process, every thread)",
         run.rounds,

@@ -718,8 +718,10 @@ async fn parts_mysql(State(app): State<App<MySql>>, headers: HeaderMap, body: By
 
 /// SQLite's floor for a new key: look the key up; in one write transaction
 /// (`BEGIN IMMEDIATE`), claim it with an INSERT that does nothing on conflict, the
-/// write, the record.
-async fn hand_written_sqlite(
+/// write, the record. `GUARDED` (`hand-written-guarded`, `common/lite_floor.rs`):
+/// the claim committed before the handler's transaction, and the check that the
+/// handler did not end it before the record.
+async fn hand_written_sqlite<const GUARDED: bool>(
     State(app): State<App<Sqlite>>,
     headers: HeaderMap,
     body: Bytes,
@@ -733,59 +735,32 @@ async fn hand_written_sqlite(
         if let Some(answer) = answer_stored(found) {
             return Ok(answer);
         }
-        let now = lite_floor::now_ms();
+        let claim = || {
+            sqlx::query_scalar::<_, i64>(lite_floor::CLAIM)
+                .bind(&key)
+                .bind(lite_floor::now_ms())
+        };
+        let mut claimed = None;
+        if GUARDED {
+            claimed = claim().fetch_optional(&mut *conn).await?;
+            if claimed.is_none() {
+                return Ok((StatusCode::CONFLICT, Vec::new()));
+            }
+        }
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
-        let claimed: Option<i64> = sqlx::query_scalar(lite_floor::CLAIM)
-            .bind(&key)
-            .bind(now)
-            .fetch_optional(&mut *tx)
-            .await?;
+        if !GUARDED {
+            claimed = claim().fetch_optional(&mut *tx).await?;
+        }
         if claimed.is_none() {
             return Ok((StatusCode::CONFLICT, Vec::new()));
         }
         let payment = Sqlite::insert(&mut tx, &key, &new).await?;
         let out = serde_json::to_vec(&payment).unwrap_or_default();
-        sqlx::query(lite_floor::RECORD)
-            .bind(&key)
-            .bind(&out)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok((StatusCode::CREATED, out))
-    })
-    .await
-}
-
-/// SQLite's guarded floor (`common/lite_floor.rs`): the claim committed before the
-/// handler's transaction, and the check that the handler did not end it.
-async fn hand_written_guarded_sqlite(
-    State(app): State<App<Sqlite>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    by_hand(&headers, &body, |key, new| async move {
-        let mut conn = app.pool.acquire().await?;
-        let found: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(lite_floor::LOOKUP)
-            .bind(&key)
-            .fetch_optional(&mut *conn)
-            .await?;
-        if let Some(answer) = answer_stored(found) {
-            return Ok(answer);
-        }
-        let claimed: Option<i64> = sqlx::query_scalar(lite_floor::CLAIM)
-            .bind(&key)
-            .bind(lite_floor::now_ms())
-            .fetch_optional(&mut *conn)
-            .await?;
-        if claimed.is_none() {
-            return Ok((StatusCode::CONFLICT, Vec::new()));
-        }
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
-        let payment = Sqlite::insert(&mut tx, &key, &new).await?;
-        let out = serde_json::to_vec(&payment).unwrap_or_default();
-        match sqlx::raw_sql("BEGIN").execute(&mut *tx).await {
-            Err(error) if lite_floor::in_transaction(&error) => {}
-            _ => return Ok((StatusCode::INTERNAL_SERVER_ERROR, Vec::new())),
+        if GUARDED {
+            match sqlx::raw_sql("BEGIN").execute(&mut *tx).await {
+                Err(error) if lite_floor::in_transaction(&error) => {}
+                _ => return Ok((StatusCode::INTERNAL_SERVER_ERROR, Vec::new())),
+            }
         }
         sqlx::query(lite_floor::RECORD)
             .bind(&key)
@@ -872,8 +847,8 @@ async fn serve() -> Result<(), Box<dyn std::error::Error>> {
                 pool,
                 size as usize,
                 vec![
-                    ("hand-written", post(hand_written_sqlite)),
-                    ("hand-written-guarded", post(hand_written_guarded_sqlite)),
+                    ("hand-written", post(hand_written_sqlite::<false>)),
+                    ("hand-written-guarded", post(hand_written_sqlite::<true>)),
                 ],
             )
             .await

@@ -11,8 +11,7 @@
 //!
 #![doc = include_str!("../docs/outcomes.md")]
 //!
-//! Every answer idem gives itself is an RFC 9457 `application/problem+json` body
-//! whose `type` ends with the slug above (see [`Problem`]).
+//! Each problem's `type` ends with the slug above (see [`Problem`]).
 //!
 //! # The attribute
 //!

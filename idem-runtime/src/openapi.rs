@@ -120,12 +120,16 @@ pub(crate) fn problem_responses() -> Vec<(u16, Value)> {
                     "application/problem+json": { "schema": problem_schema() },
                 },
             });
+            response["headers"] = json!({
+                "Cache-Control": {
+                    "description": "`no-store`: no cache may answer a retry with this problem.",
+                    "schema": { "type": "string", "enum": ["no-store"] },
+                },
+            });
             if problems.iter().any(|p| p.retry_after()) {
-                response["headers"] = json!({
-                    "Retry-After": {
-                        "description": "Seconds to wait before retrying with the same key.",
-                        "schema": { "type": "integer", "minimum": 0 },
-                    },
+                response["headers"]["Retry-After"] = json!({
+                    "description": "Seconds to wait before retrying with the same key.",
+                    "schema": { "type": "integer", "minimum": 0 },
                 });
             }
             (status, response)

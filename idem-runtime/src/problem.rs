@@ -160,7 +160,9 @@ impl Problem {
         )
     }
 
-    /// Renders the problem+json response, with `type` = `base` + [`slug`](Self::slug).
+    /// Renders the problem+json response, with `type` = `base` + [`slug`](Self::slug),
+    /// `Cache-Control: no-store` (no cache in between may answer a retry with it)
+    /// and, where [`retry_after`](Self::retry_after), `Retry-After: 1`.
     ///
     /// # Examples
     ///
@@ -171,6 +173,7 @@ impl Problem {
     /// let response = Problem::MissingKey.to_response("https://api.example.com/problems/", "send one");
     /// assert_eq!(response.status(), 400);
     /// assert_eq!(response.headers()["content-type"], "application/problem+json");
+    /// assert_eq!(response.headers()["cache-control"], "no-store");
     /// assert!(response.body().starts_with(br#"{"type":"https://api.example.com/problems/missing-key""#));
     /// ```
     pub fn to_response(self, base: &str, detail: &str) -> Response<Bytes> {
@@ -207,6 +210,10 @@ impl Problem {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
+        // A cache between client and server must not answer a retry with this
+        // problem: the key's real answer comes later (a 409), or is the server's
+        // alone to give (every other).
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }

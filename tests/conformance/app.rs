@@ -236,6 +236,7 @@ async fn effect<H: Harness>(
                     .status(status)
                     .header("content-type", "application/json")
                     .header("x-custom", "kept")
+                    .header("cache-control", "private, max-age=60")
                     .header("set-cookie", "session=abc; HttpOnly")
                     .header("location", format!("/effects/{id}"))
                     .body(Body::from(body))
@@ -340,10 +341,26 @@ pub struct Got {
 }
 
 impl Got {
-    /// Reads a whole response.
+    /// Reads a whole response. Every problem idem answers, in every test, is one
+    /// no cache in between may keep.
     pub async fn read(response: Response) -> Self {
         let outcome = response.extensions().get::<Outcome>().copied();
         let (parts, body) = response.into_parts();
+        if parts
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v == "application/problem+json")
+        {
+            assert_eq!(
+                parts
+                    .headers
+                    .get("cache-control")
+                    .and_then(|v| v.to_str().ok()),
+                Some("no-store"),
+                "{} problem without Cache-Control: no-store",
+                parts.status
+            );
+        }
         Self {
             status: parts.status.as_u16(),
             headers: parts.headers,

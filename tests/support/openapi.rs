@@ -80,6 +80,10 @@ pub(crate) fn assert_keyed(
         for field in ["type", "title", "status", "detail"] {
             assert!(fields.get(field).is_some(), "{status} {field}: {schema:#}");
         }
+        assert!(
+            responses[status]["headers"].get("Cache-Control").is_some(),
+            "{status}"
+        );
     }
     for status in ["409", "503"] {
         assert!(

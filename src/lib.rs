@@ -225,7 +225,7 @@
 /// | `fingerprint` | `"json"`: a key's later uses must carry the same JSON value, not the same bytes (member order, whitespace, `1.0` for `1` do not count; RFC 8785's canonical form); a keyed body that is not JSON is 400 `invalid-json`. `"bytes"`: the SHA-256 of the raw body; a `multipart/*` body's of its parts (names, filenames, content types, bytes), never its boundary | `"bytes"` |
 /// | `ignore` | with `fingerprint = "json"`, JSON Pointers to members left out of the fingerprint, such as a time the client stamps into each send: `["/sent_at", "/meta/trace"]` | none |
 /// | `db` | the database type (`Postgres`, `Sqlite`), needed only without a `Tx` parameter | taken from `Tx<DB>` |
-/// | `crate` | the path your code names this crate by, when `Cargo.toml` renames it (`pay = { package = "idem-axum", … }` → `crate = "pay"`), or a re-export of it (`crate = "my_app::idem"`) | `idem_axum` |
+/// | `crate` | the path your code names this crate by: a re-export of it (`crate = "my_app::idem"`), as the attribute reads a renamed dependency (`pay = { package = "idem-axum", … }`) from `Cargo.toml` itself | the name `Cargo.toml` gives `idem-axum` |
 ///
 /// Every handler says whose keys it keeps apart: `scope` names the parameter that
 /// identifies the caller, so the same key from two users is two requests. Leaving it

@@ -9,8 +9,15 @@ use syn::{
 };
 
 use crate::attr::{Args, DEFAULT_LOCK_MS, DEFAULT_TTL_MS, Errors};
+use crate::facade::Found;
 
-pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+/// `facade` tells the name the crate's Cargo.toml gives idem-axum, asked only
+/// when the attribute does not say it (`crate = "…"`).
+pub(crate) fn idempotent(
+    args: TokenStream,
+    item: TokenStream,
+    facade: impl FnOnce() -> Found,
+) -> TokenStream {
     let func = match syn::parse2::<ItemFn>(item.clone()) {
         Ok(func) => func,
         Err(_) => {
@@ -22,7 +29,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     match (args, Handler::analyze(&func)) {
         (Ok(args), Ok(handler)) => match not_built_for(args.db.as_ref().or(handler.db)) {
             Some(error) => not_built(&func, error),
-            None => match handler.expand(&args, &func) {
+            None => match handler.expand(&args, &func, facade) {
                 Ok(tokens) => tokens,
                 Err(error) => with_errors(&func, error),
             },
@@ -34,6 +41,13 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         (Err(error), _) | (_, Err(error)) => with_errors(&func, error),
     }
 }
+
+/// The crate's Cargo.toml names no dependency on idem-axum: the attribute came
+/// through another crate, whose path only the user knows.
+const NO_FACADE: &str = "idem-axum is not among this crate's dependencies in Cargo.toml, \
+     under its own name or another (`pay = { package = \"idem-axum\", … }`): add it, \
+     or, if the attribute comes re-exported by another crate, name the path to idem-axum \
+     there: `#[idempotent(crate = \"platform::idem\", …)]`";
 
 /// The errors, and in the function's place a stub any router takes, so that the
 /// route adds no error of its own: one mistake, one message. The function as
@@ -219,11 +233,28 @@ impl<'a> Handler<'a> {
         Ok(handler)
     }
 
-    fn expand(&self, args: &Args, func: &ItemFn) -> syn::Result<TokenStream> {
+    fn expand(
+        &self,
+        args: &Args,
+        func: &ItemFn,
+        facade: impl FnOnce() -> Found,
+    ) -> syn::Result<TokenStream> {
         let mut errors = Errors::default();
         let private = match &args.krate {
             Some(path) => quote!(#path::__private),
-            None => quote!(::idem_axum::__private),
+            None => {
+                let name = match facade() {
+                    Found::Named(name) => syn::parse_str::<Ident>(&name).ok(),
+                    // Outside Cargo: the package's own name is the best guess.
+                    Found::Unknown => None,
+                    Found::Missing => {
+                        errors.push(Error::new(Span::call_site(), NO_FACADE));
+                        None
+                    }
+                };
+                let name = name.unwrap_or_else(|| Ident::new("idem_axum", Span::call_site()));
+                quote!(::#name::__private)
+            }
         };
         let call = Ident::new("__idem_call", Span::mixed_site());
         let scope = Ident::new("__idem_scope", Span::mixed_site());
@@ -620,6 +651,11 @@ mod tests {
     use super::*;
 
     fn expanded(args: TokenStream) -> String {
+        expanded_where(args, Found::Unknown)
+    }
+
+    /// Expanded in a crate whose Cargo.toml says `found` of idem-axum.
+    fn expanded_where(args: TokenStream, found: Found) -> String {
         // Behind an alias, so that the test does not depend on this crate's features.
         let item = quote! {
             async fn transfer(tx: Tx<Db>) -> StatusCode {
@@ -627,7 +663,7 @@ mod tests {
                 StatusCode::CREATED
             }
         };
-        idempotent(args, item).to_string()
+        idempotent(args, item, || found).to_string()
     }
 
     /// A renamed dependency: every path of the generated code goes through the
@@ -640,6 +676,27 @@ mod tests {
         assert!(renamed.contains("pay :: __private"), "{renamed}");
         assert!(!renamed.contains("idem_axum"), "{renamed}");
         assert!(!renamed.contains("compile_error"), "{renamed}");
+    }
+
+    /// Without the option, the name Cargo.toml gives idem-axum; the option wins
+    /// over it; no dependency at all is one error that says what to write.
+    #[test]
+    fn the_name_in_cargo_toml_is_used() {
+        let pay = || Found::Named("pay".to_owned());
+        let found = expanded_where(quote!(unscoped = true), pay());
+        assert!(found.contains(":: pay :: __private"), "{found}");
+        assert!(!found.contains("idem_axum"), "{found}");
+        assert!(!found.contains("compile_error"), "{found}");
+        let told = expanded_where(quote!(crate = "app::idem", unscoped = true), pay());
+        assert!(told.contains("app :: idem :: __private"), "{told}");
+        assert!(!told.contains(":: pay"), "{told}");
+        let missing = expanded_where(quote!(unscoped = true), Found::Missing);
+        assert_eq!(missing.matches("compile_error").count(), 1, "{missing}");
+        assert!(
+            missing.contains("crate = \\\"platform::idem\\\""),
+            "{missing}"
+        );
+        assert!(!missing.contains("__private"), "{missing}");
     }
 
     /// A database this build lacks is one error, on the handler's `Tx<DB>` or
@@ -660,7 +717,7 @@ mod tests {
                     ),
                 ),
             ] {
-                let out = idempotent(args, item).to_string();
+                let out = idempotent(args, item, || Found::Unknown).to_string();
                 let errors = out.matches("compile_error").count();
                 if *enabled {
                     assert_eq!(errors, 0, "{out}");

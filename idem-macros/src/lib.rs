@@ -1,10 +1,12 @@
 //! The `#[idempotent]` attribute of the `idem-axum` crate. Use it through `idem-axum`: the
-//! code it generates calls `idem_axum::__private`.
+//! code it generates calls its `__private` module, by the name the crate's
+//! `Cargo.toml` gives `idem-axum` (or the path given with `crate = "…"`).
 
 use proc_macro::TokenStream;
 
 mod attr;
 mod expand;
+mod facade;
 
 /// Makes an axum handler exactly-once under the `Idempotency-Key` header.
 ///
@@ -17,5 +19,5 @@ mod expand;
 /// handler does.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::idempotent(args.into(), item.into()).into()
+    expand::idempotent(args.into(), item.into(), facade::facade).into()
 }

@@ -1,6 +1,6 @@
-//! `#[idempotent(crate = "…")]` with `idem-axum` renamed to `pay`: the handlers of
-//! `ui/pass` compile, and without the option the error names the crate it looked
-//! for (`ui/fail`). Regenerate the expected errors with
+//! `idem-axum` renamed to `pay` in this crate's Cargo.toml: the handlers of
+//! `ui/pass` compile, told the name with `crate = "…"` or reading it from
+//! Cargo.toml, and `ui/fail` holds the errors that remain. Regenerate them with
 //! `TRYBUILD=overwrite cargo test -p idem-renamed-dependency`.
 
 #[test]

@@ -88,7 +88,7 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
     let paths = &document["paths"];
     openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, true);
     openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
-    assert_mismatch_named(&document, &paths["/payments"]["post"]);
+    assert_own_problems(&document, &paths["/payments"]["post"]);
     openapi::assert_unkeyed(&paths["/payments"]["get"]);
     // The handler's own response and body are still there.
     let created = &paths["/payments"]["post"]["responses"]["201"];
@@ -153,13 +153,21 @@ fn utoipa_documents_keyed_operations_with_one_parameter_and_one_modifier() {
     let paths = &document["paths"];
     openapi::assert_keyed(&document, &paths["/payments"]["post"], "201", true, false);
     openapi::assert_keyed(&document, &paths["/refunds"]["post"], "200", false, false);
-    assert_mismatch_named(&document, &paths["/payments"]["post"]);
+    assert_own_problems(&document, &paths["/payments"]["post"]);
     openapi::assert_unkeyed(&paths["/payments"]["get"]);
 }
 
-/// idem's own problem schema on `operation`'s 422 names the part of the request
-/// that differed (an app's own error schema may say it otherwise).
-fn assert_mismatch_named(document: &serde_json::Value, operation: &serde_json::Value) {
+/// idem's own problems on `operation`, where an app may document its own
+/// instead: each says no cache may keep it, and the 422's schema names the part
+/// of the request that differed.
+fn assert_own_problems(document: &serde_json::Value, operation: &serde_json::Value) {
+    for status in ["400", "422"] {
+        let headers = &operation["responses"][status]["headers"];
+        assert!(
+            headers.get("Cache-Control").is_some(),
+            "{status}: {headers:#}"
+        );
+    }
     let schema = &operation["responses"]["422"]["content"]["application/problem+json"]["schema"];
     let schema = openapi::resolve(document, schema);
     let mismatch = &schema["properties"]["mismatch"]["enum"];

@@ -95,6 +95,7 @@
 //! | `testing` | `idem_axum::testing::ExactlyOnce`, which proves in your tests that a handler runs exactly once and writes only through its `Tx` (a dev-dependency feature) |
 //! | `aide` | OpenAPI through aide: `#[idempotent]` handlers document their key header, replays and idem's problems by themselves; `idem_axum::aide` |
 //! | `utoipa` | OpenAPI through utoipa: `idem_axum::utoipa::KeyHeader` for `params(…)`, `Problems` for `responses(…)`, the `Replays` modifier |
+//! | `sea-orm` | SeaORM 2 on the handler's transaction: `tx.sea_orm()` is a SeaORM connection whose `begin` opens a savepoint |
 //!
 //! ```toml
 //! [dependencies]
@@ -337,6 +338,8 @@ pub use idem_runtime::client;
 pub use idem_runtime::testing;
 #[cfg(feature = "utoipa")]
 pub use idem_runtime::utoipa;
+#[cfg(feature = "sea-orm")]
+pub use idem_runtime::{SeaConnection, SeaDriver, SeaSavepoint};
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]

@@ -27,6 +27,8 @@ mod problem;
 mod record;
 mod reseal;
 mod scope;
+#[cfg(feature = "sea-orm")]
+mod sea;
 mod seal;
 mod shutdown;
 mod signal;
@@ -59,6 +61,9 @@ pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
 pub use reseal::{Reseal, ResealReport};
 pub use scope::Scope;
+#[cfg(feature = "sea-orm")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sea-orm")))]
+pub use sea::{SeaConnection, SeaDriver, SeaSavepoint};
 pub use seal::{KeyId, KeyRing, KeyRingError, Sealing};
 pub use shutdown::{Closed, Shutdown};
 pub use store::{

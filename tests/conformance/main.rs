@@ -41,6 +41,8 @@ mod operator;
 mod partitions;
 mod realistic;
 mod sealing;
+#[cfg(feature = "sea-orm")]
+mod seaorm;
 mod session;
 mod upload;
 #[cfg(feature = "sqlite")]

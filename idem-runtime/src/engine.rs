@@ -779,7 +779,7 @@ impl<DB: Backend> Idempotency<DB> {
         metrics::claimed(began.elapsed(), endpoint);
         let _held = metrics::Held::new();
 
-        let open = Open::new(conn, adopted);
+        let open = Open::new(conn, adopted, !self.inner().transaction_pooled);
         let waits = !options.wait_duration().is_zero();
         let claimed_at = Instant::now();
         let limit = self.response_limit();
@@ -1065,7 +1065,7 @@ impl<DB: Backend> Idempotency<DB> {
             Ok(tx) => Open::adopt(tx),
             Err(error) => return self.store_failed(&error),
         };
-        let open = Open::new(conn, adopted);
+        let open = Open::new(conn, adopted, !self.inner().transaction_pooled);
         let cancelled = self.inner().lifecycle.cancelled();
         let wait = options.lock_duration();
         let (ran, open) = run_handler(open, handler, None, None, wait, cancelled).await;

@@ -34,6 +34,7 @@ pub trait SeaDriver: Database + sealed::Sealed {
     fn execute<'c>(
         conn: &'c mut Self::Connection,
         statement: &'c Statement,
+        prepared: bool,
     ) -> BoxFuture<'c, Result<ExecResult, sqlx::Error>>;
 
     #[doc(hidden)]
@@ -46,12 +47,14 @@ pub trait SeaDriver: Database + sealed::Sealed {
     fn query_one<'c>(
         conn: &'c mut Self::Connection,
         statement: &'c Statement,
+        prepared: bool,
     ) -> BoxFuture<'c, Result<Option<QueryResult>, sqlx::Error>>;
 
     #[doc(hidden)]
     fn query_all<'c>(
         conn: &'c mut Self::Connection,
         statement: &'c Statement,
+        prepared: bool,
     ) -> BoxFuture<'c, Result<Vec<QueryResult>, sqlx::Error>>;
 }
 
@@ -71,8 +74,9 @@ macro_rules! driver {
             fn execute<'c>(
                 conn: &'c mut Self::Connection,
                 statement: &'c Statement,
+                prepared: bool,
             ) -> BoxFuture<'c, Result<ExecResult, sqlx::Error>> {
-                Box::pin(async move { Ok(bound(statement).execute(conn).await?.into()) })
+                Box::pin(async move { Ok(bound(statement, prepared).execute(conn).await?.into()) })
             }
 
             fn execute_unprepared<'c>(
@@ -90,9 +94,10 @@ macro_rules! driver {
             fn query_one<'c>(
                 conn: &'c mut Self::Connection,
                 statement: &'c Statement,
+                prepared: bool,
             ) -> BoxFuture<'c, Result<Option<QueryResult>, sqlx::Error>> {
                 Box::pin(async move {
-                    Ok(bound(statement)
+                    Ok(bound(statement, prepared)
                         .fetch_optional(conn)
                         .await?
                         .map(QueryResult::from))
@@ -102,9 +107,10 @@ macro_rules! driver {
             fn query_all<'c>(
                 conn: &'c mut Self::Connection,
                 statement: &'c Statement,
+                prepared: bool,
             ) -> BoxFuture<'c, Result<Vec<QueryResult>, sqlx::Error>> {
                 Box::pin(async move {
-                    let rows = bound(statement).fetch_all(conn).await?;
+                    let rows = bound(statement, prepared).fetch_all(conn).await?;
                     Ok(rows.into_iter().map(QueryResult::from).collect())
                 })
             }
@@ -116,11 +122,15 @@ driver!("postgres", sqlx::Postgres, DbBackend::Postgres);
 driver!("mysql", sqlx::MySql, DbBackend::MySql);
 driver!("sqlite", sqlx::Sqlite, DbBackend::Sqlite);
 
-/// `statement` with its values bound, as SeaORM binds them on a pool.
+/// `statement` with its values bound, as SeaORM binds them on a pool; prepared
+/// unless the store goes through a transaction pooler.
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-fn bound<DB>(statement: &Statement) -> sqlx::query::Query<'_, DB, sea_query_sqlx::SqlxValues>
+fn bound<DB>(
+    statement: &Statement,
+    prepared: bool,
+) -> sqlx::query::Query<'_, DB, sea_query_sqlx::SqlxValues>
 where
-    DB: Database,
+    DB: Database + sqlx_core::database::HasStatementCache,
     sea_query_sqlx::SqlxValues: sqlx::IntoArguments<DB>,
 {
     let values = statement
@@ -131,6 +141,7 @@ where
         sqlx::AssertSqlSafe(statement.sql.as_str()),
         sea_query_sqlx::SqlxValues(values),
     )
+    .persistent(prepared)
 }
 
 impl<DB: SeaDriver> Tx<DB> {
@@ -171,8 +182,10 @@ impl<DB: SeaDriver> Tx<DB> {
     /// # }
     /// ```
     pub fn sea_orm(&mut self) -> SeaConnection<'_, DB> {
+        let prepared = self.statements_prepared();
         SeaConnection {
             shared: Arc::new(Shared {
+                prepared,
                 conn: Mutex::new(&mut **self),
                 levels: StdMutex::new(Levels::default()),
             }),
@@ -200,6 +213,8 @@ pub struct SeaSavepoint<'t, DB: SeaDriver> {
 
 struct Shared<'t, DB: SeaDriver> {
     conn: Mutex<&'t mut DB::Connection>,
+    /// Whether statements are prepared (see `bound`).
+    prepared: bool,
     levels: StdMutex<Levels>,
 }
 
@@ -347,7 +362,9 @@ macro_rules! connection {
 
             async fn execute_raw(&self, statement: Statement) -> Result<ExecResult, DbErr> {
                 let mut conn = self.shared.conn().await;
-                DB::execute(&mut conn, &statement).await.map_err(exec_error)
+                DB::execute(&mut conn, &statement, self.shared.prepared)
+                    .await
+                    .map_err(exec_error)
             }
 
             async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
@@ -362,14 +379,14 @@ macro_rules! connection {
                 statement: Statement,
             ) -> Result<Option<QueryResult>, DbErr> {
                 let mut conn = self.shared.conn().await;
-                DB::query_one(&mut conn, &statement)
+                DB::query_one(&mut conn, &statement, self.shared.prepared)
                     .await
                     .map_err(query_error)
             }
 
             async fn query_all_raw(&self, statement: Statement) -> Result<Vec<QueryResult>, DbErr> {
                 let mut conn = self.shared.conn().await;
-                DB::query_all(&mut conn, &statement)
+                DB::query_all(&mut conn, &statement, self.shared.prepared)
                     .await
                     .map_err(query_error)
             }

@@ -111,6 +111,12 @@ impl<DB: Database> Tx<DB> {
         }
     }
 
+    /// Whether statements may be prepared on the transaction's connection.
+    #[cfg(feature = "sea-orm")]
+    pub(crate) fn statements_prepared(&self) -> bool {
+        self.open().prepared
+    }
+
     fn open_mut(&mut self) -> &mut Open<DB> {
         match &mut self.lent {
             Some(lent) => &mut lent.open,
@@ -234,6 +240,9 @@ executor_for_tx!(sqlx::Sqlite);
 /// and frees whatever the session held (MySQL's named locks).
 pub(crate) struct Open<DB: Database> {
     conn: Option<PoolConnection<DB>>,
+    /// Whether statements may be prepared on it: not through a transaction
+    /// pooler, whose server connections do not keep them.
+    prepared: bool,
 }
 
 impl<DB: Database> Open<DB> {
@@ -245,9 +254,13 @@ impl<DB: Database> Open<DB> {
         Adopted(())
     }
 
-    /// The connection `adopt` left inside its transaction.
-    pub(crate) fn new(conn: PoolConnection<DB>, _adopted: Adopted) -> Self {
-        Self { conn: Some(conn) }
+    /// The connection `adopt` left inside its transaction; `prepared`, whether
+    /// statements may be prepared on it.
+    pub(crate) fn new(conn: PoolConnection<DB>, _adopted: Adopted, prepared: bool) -> Self {
+        Self {
+            conn: Some(conn),
+            prepared,
+        }
     }
 
     fn conn(&mut self) -> &mut PoolConnection<DB> {

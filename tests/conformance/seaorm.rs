@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -97,7 +97,8 @@ where
         _ => "INTEGER PRIMARY KEY AUTOINCREMENT",
     };
     h.script(&format!(
-        "CREATE TABLE sea_lines (id {id}, effect_id BIGINT NOT NULL, memo TEXT NOT NULL)"
+        "CREATE TABLE sea_lines (id {id}, effect_id BIGINT NOT NULL, memo TEXT NOT NULL); \
+         CREATE INDEX sea_lines_effect ON sea_lines (effect_id)"
     ))
     .await;
 }
@@ -230,15 +231,37 @@ where
         .await
 }
 
-/// Written wrong: SeaORM on the app's pool, as a SeaORM app connects it, inside
-/// an `#[idempotent]` handler. `x-status` as above.
+/// The app's state: its store, and SeaORM on a pool of the app's database, as a
+/// SeaORM app connects it (straight to the database: SeaORM prepares its
+/// statements, which a transaction pooler does not keep).
+struct SeaApp<H: Harness> {
+    store: Idempotency<H::DB>,
+    db: DatabaseConnection,
+}
+
+impl<H: Harness> Clone for SeaApp<H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            db: self.db.clone(),
+        }
+    }
+}
+
+impl<H: Harness> FromRef<SeaApp<H>> for Idempotency<H::DB> {
+    fn from_ref(app: &SeaApp<H>) -> Self {
+        app.store.clone()
+    }
+}
+
+/// Written wrong: SeaORM on the app's pool inside an `#[idempotent]` handler.
+/// `x-status` as above.
 async fn pooled<H: Harness>(
-    State(store): State<Idempotency<H::DB>>,
+    State(app): State<SeaApp<H>>,
     request: IdempotentRequest<H::DB>,
 ) -> Response
 where
     H::DB: SeaDriver,
-    DatabaseConnection: From<sqlx::Pool<H::DB>>,
 {
     let headers = request.parts().headers.clone();
     let scope = header(&headers, "x-scope");
@@ -247,12 +270,18 @@ where
         .ok()
         .and_then(|code| StatusCode::from_u16(code).ok())
         .unwrap_or(StatusCode::CREATED);
-    let db = DatabaseConnection::from(store.pool().clone());
+    let db = app.db.clone();
     request
         .run(&scope.clone(), Options::new(), move |tx| {
             Box::pin(async move {
                 let _held = tx;
-                match new_effect(&scope, "pool").insert(&db).await {
+                // Committed on its own, whatever the session's autocommit.
+                let written = async {
+                    let own = db.begin().await?;
+                    new_effect(&scope, "pool").insert(&own).await?;
+                    own.commit().await
+                };
+                match written.await {
                     Ok(_) => (status, "written").into_response(),
                     Err(error) => {
                         (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response()
@@ -263,15 +292,19 @@ where
         .await
 }
 
-fn app<H: Harness>(store: &Idempotency<H::DB>) -> Router
+fn app<H: Harness>(h: &H) -> Router
 where
     H::DB: SeaDriver,
     DatabaseConnection: From<sqlx::Pool<H::DB>>,
 {
+    let state = SeaApp::<H> {
+        store: h.store().clone(),
+        db: DatabaseConnection::from(h.direct_pool().clone()),
+    };
     Router::new()
         .route("/sea", post(sea::<H>))
         .route("/pooled", post(pooled::<H>))
-        .with_state(store.clone())
+        .with_state(state)
 }
 
 async fn notes<H: Harness>(h: &H, scope: &str, note: &str) -> i64 {
@@ -294,7 +327,7 @@ where
         return;
     };
     lines_table(&h).await;
-    let app = app::<H>(h.store());
+    let app = app(&h);
     let post = |scope: &str, key: &str| Req::post(scope, key, BODY).path("/sea");
 
     // Eight at once under one key: one execution, one effect and its line.
@@ -357,7 +390,12 @@ where
     // A column SeaORM cannot read as asked: its error, which the handler answers.
     let misread = send(&app, &post("misread", "k").header("x-nested", "misread")).await;
     assert_eq!(misread.status, 500);
-    assert_eq!(misread.problem(), None, "the handler's answer: {}", misread.text());
+    assert_eq!(
+        misread.problem(),
+        None,
+        "the handler's answer: {}",
+        misread.text()
+    );
     assert_eq!(h.effects("misread").await, 0);
 
     // A savepoint cannot change the transaction's isolation: SeaORM's error,
@@ -370,6 +408,64 @@ where
     assert_eq!(refused.status, 500);
     assert!(refused.text().contains("savepoint"), "{}", refused.text());
     assert_eq!(h.effects("isolation").await, 0);
+    h.finish().await;
+}
+
+/// Sends `req` again after a 500 for a deadlock, as a client retries a 5xx:
+/// SERIALIZABLE MySQL locks what the handler reads, so handlers of different
+/// keys may deadlock over the related find, and the loser's writes are undone.
+async fn deadlocks_retried(app: &Router, req: &Req) -> crate::app::Got {
+    let mut tries = 0;
+    loop {
+        let got = send(app, req).await;
+        tries += 1;
+        if got.status != 500 || !got.text().contains("Deadlock found") || tries > 20 {
+            return got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5 * tries)).await;
+    }
+}
+
+/// Forty keys sent four times each, all at once: every key runs once and every
+/// answer is its 201 or a 409, on every connection of the pool (through a
+/// transaction pooler too, whose server connections keep no prepared statement).
+pub async fn seaorm_storms_run_each_key_once<H: Harness>()
+where
+    H::DB: SeaDriver,
+    DatabaseConnection: From<sqlx::Pool<H::DB>>,
+{
+    let Some(h) = crate::start::<H>().await else {
+        return;
+    };
+    lines_table(&h).await;
+    let app = app(&h);
+    let barrier = Arc::new(tokio::sync::Barrier::new(160));
+    let tasks: Vec<_> = (0..160)
+        .map(|n| {
+            let (app, barrier) = (app.clone(), Arc::clone(&barrier));
+            let req = Req::post("storm", &format!("k-{}", n / 4), BODY).path("/sea");
+            tokio::spawn(async move {
+                barrier.wait().await;
+                deadlocks_retried(&app, &req).await
+            })
+        })
+        .collect();
+    let mut created = std::collections::HashSet::new();
+    for task in tasks {
+        let got = task.await.expect("request task");
+        assert!(
+            matches!(got.status, 201 | 409),
+            "{} {}",
+            got.status,
+            got.text()
+        );
+        if got.status == 201 {
+            created.insert(got.body.clone());
+        }
+    }
+    assert_eq!(created.len(), 40, "one answer per key");
+    assert_eq!(h.effects("storm").await, 40);
+    assert_eq!(h.count("SELECT count(*) FROM sea_lines", &[]).await, 40);
     h.finish().await;
 }
 
@@ -395,7 +491,7 @@ where
                 .body(Body::from(BODY))
                 .expect("request")
         };
-        ExactlyOnce::new(app::<H>(h.store()), h.store(), request, move || {
+        ExactlyOnce::new(app(&*h), h.store(), request, move || {
             let h = Arc::clone(&counted);
             async move { h.effects(scope).await }
         })
@@ -415,7 +511,7 @@ where
     // retry writes a second. (On SQLite the pool cannot write at all while the
     // handler's transaction holds the one write lock.)
     if H::SWEEPS_BESIDE_HANDLERS {
-        let app = app::<H>(h.store());
+        let app = app(&*h);
         let req = Req::post("pooled", "k", BODY)
             .path("/pooled")
             .header("x-status", 500);
@@ -464,5 +560,6 @@ macro_rules! seaorm {
 
 seaorm!(
     seaorm_handlers_commit_with_their_answer,
+    seaorm_storms_run_each_key_once,
     the_kit_proves_seaorm_handlers,
 );

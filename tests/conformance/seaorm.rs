@@ -537,6 +537,15 @@ macro_rules! seaorm {
                 }
             )*
         }
+        #[cfg(feature = "postgres")]
+        mod postgres_partitioned {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<crate::harness::PgParted>().await;
+                }
+            )*
+        }
         #[cfg(feature = "mysql")]
         mod mysql {
             $(
@@ -552,6 +561,15 @@ macro_rules! seaorm {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     super::$test::<crate::harness::Lite>().await;
+                }
+            )*
+        }
+        #[cfg(feature = "sqlite")]
+        mod sqlite_deferred {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<crate::harness::LiteDeferred>().await;
                 }
             )*
         }

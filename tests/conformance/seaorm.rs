@@ -149,6 +149,18 @@ async fn write<DB: SeaDriver>(tx: &mut Tx<DB>, scope: &str, nested: &str) -> Res
                 _ => drop(inner),
             }
         }
+        // A statement that fails inside the savepoint (the outer effect's id
+        // again), caught and rolled back to: PostgreSQL keeps the transaction.
+        "failed" => {
+            let inner = db.begin().await?;
+            let again = effect::ActiveModel {
+                id: Set(outer.id),
+                ..new_effect(scope, "nested")
+            };
+            let failed = again.insert(&inner).await;
+            assert!(failed.is_err(), "a duplicate primary key is refused");
+            inner.rollback().await?;
+        }
         // Two levels: the inner one rolled back, the outer one committed.
         "deep" => {
             let kept = db.begin().await?;
@@ -367,6 +379,7 @@ where
         ("drop", 1, 0),
         ("deep", 1, 0),
         ("refused", 1, 0),
+        ("failed", 1, 0),
     ];
     for (nested, outer, inner) in cases {
         let scope = format!("nested-{nested}");

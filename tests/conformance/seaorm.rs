@@ -132,13 +132,25 @@ fn new_effect(scope: &str, note: &str) -> effect::ActiveModel {
 async fn write<DB: SeaDriver>(tx: &mut Tx<DB>, scope: &str, nested: &str) -> Result<String, DbErr> {
     let db = tx.sea_orm();
     let outer = new_effect(scope, "outer").insert(&db).await?;
-    line::ActiveModel {
+    let first = line::ActiveModel {
         effect_id: Set(outer.id),
         memo: Set("first".to_owned()),
         ..Default::default()
     }
     .insert(&db)
     .await?;
+    // An update and a delete through active models and the entity.
+    let mut first: line::ActiveModel = first.into();
+    first.memo = Set("updated".to_owned());
+    first.update(&db).await?;
+    let temporary = line::ActiveModel {
+        effect_id: Set(outer.id),
+        memo: Set("temporary".to_owned()),
+        ..Default::default()
+    }
+    .insert(&db)
+    .await?;
+    line::Entity::delete_by_id(temporary.id).exec(&db).await?;
     match nested {
         "commit" | "rollback" | "drop" => {
             let inner = db.begin().await?;
@@ -370,6 +382,9 @@ where
         assert_eq!(failed.status, 500, "{}", failed.text());
     }
     assert_eq!(h.effects("failed").await, 0, "a 5xx keeps nothing");
+    // The duplicates' one line, updated; the deleted one gone.
+    let updated = "SELECT count(*) FROM sea_lines WHERE memo = 'updated'";
+    assert_eq!(h.count(updated, &[]).await, 1);
     assert_eq!(h.count("SELECT count(*) FROM sea_lines", &[]).await, 1);
 
     // Nested transactions: (x-nested, outer kept, nested kept).

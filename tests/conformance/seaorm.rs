@@ -556,48 +556,19 @@ where
 
 macro_rules! seaorm {
     ($($test:ident),* $(,)?) => {
-        #[cfg(feature = "postgres")]
-        mod postgres {
+        seaorm!(@on "postgres", postgres, Pg; $($test),*);
+        seaorm!(@on "postgres", postgres_partitioned, PgParted; $($test),*);
+        seaorm!(@on "mysql", mysql, My; $($test),*);
+        seaorm!(@on "sqlite", sqlite, Lite; $($test),*);
+        seaorm!(@on "sqlite", sqlite_deferred, LiteDeferred; $($test),*);
+    };
+    (@on $feature:literal, $module:ident, $harness:ident; $($test:ident),*) => {
+        #[cfg(feature = $feature)]
+        mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    super::$test::<crate::harness::Pg>().await;
-                }
-            )*
-        }
-        #[cfg(feature = "postgres")]
-        mod postgres_partitioned {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    super::$test::<crate::harness::PgParted>().await;
-                }
-            )*
-        }
-        #[cfg(feature = "mysql")]
-        mod mysql {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    super::$test::<crate::harness::My>().await;
-                }
-            )*
-        }
-        #[cfg(feature = "sqlite")]
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    super::$test::<crate::harness::Lite>().await;
-                }
-            )*
-        }
-        #[cfg(feature = "sqlite")]
-        mod sqlite_deferred {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    super::$test::<crate::harness::LiteDeferred>().await;
+                    super::$test::<crate::harness::$harness>().await;
                 }
             )*
         }

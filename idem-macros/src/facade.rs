@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
+use std::time::SystemTime;
 
 use toml::de::{DeTable, DeValue};
 
@@ -23,17 +24,22 @@ pub(crate) enum Found {
     Unknown,
 }
 
-/// The facade's name for the crate being compiled, read once per manifest:
-/// every attribute of a crate asks the same.
+/// The facade's name for the crate being compiled, read once per version of its
+/// manifest: every attribute of a crate asks the same, and a process that
+/// expands for a long time (an editor's) sees an edited manifest anew.
 pub(crate) fn facade() -> Found {
-    static SEEN: Mutex<Option<HashMap<PathBuf, Found>>> = Mutex::new(None);
+    type Seen = HashMap<(PathBuf, Option<SystemTime>), Found>;
+    static SEEN: Mutex<Option<Seen>> = Mutex::new(None);
     let Some(dir) = std::env::var_os("CARGO_MANIFEST_DIR") else {
         return Found::Unknown;
     };
     let manifest = Path::new(&dir).join("Cargo.toml");
+    let modified = std::fs::metadata(&manifest)
+        .and_then(|meta| meta.modified())
+        .ok();
     let mut seen = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
     seen.get_or_insert_with(HashMap::new)
-        .entry(manifest.clone())
+        .entry((manifest.clone(), modified))
         .or_insert_with(|| read(&manifest))
         .clone()
 }

@@ -307,11 +307,13 @@ impl<DB: SeaDriver> SeaSavepoint<'_, DB> {
     /// Ends this savepoint: `commit` releases it, otherwise it is rolled back to.
     /// Savepoints opened inside it and still open are rolled back first.
     async fn end(mut self, commit: bool) -> Result<(), DbErr> {
-        self.open = false;
+        // Until the savepoint's own statement goes, dropping this future (a
+        // handler's timeout) leaves `self` open: `drop` rolls it back.
         let mut conn = self.shared.conn().await;
         {
             let mut levels = self.shared.levels();
             if levels.open < self.level {
+                self.open = false;
                 return Err(DbErr::Custom(
                     "this SeaORM transaction was already rolled back with one it is nested in"
                         .to_owned(),
@@ -320,6 +322,7 @@ impl<DB: SeaDriver> SeaSavepoint<'_, DB> {
             levels.roll_back_to::<DB>(&mut conn, self.level + 1);
             levels.open -= 1;
         }
+        self.open = false;
         let ended = if commit {
             <DB::TransactionManager>::commit(&mut conn).await
         } else {

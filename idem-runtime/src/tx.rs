@@ -241,7 +241,9 @@ executor_for_tx!(sqlx::Sqlite);
 pub(crate) struct Open<DB: Database> {
     conn: Option<PoolConnection<DB>>,
     /// Whether statements may be prepared on it: not through a transaction
-    /// pooler, whose server connections do not keep them.
+    /// pooler, whose server connections do not keep them. Read by
+    /// `Tx::sea_orm` (`sea.rs`).
+    #[cfg_attr(not(feature = "sea-orm"), allow(dead_code))]
     prepared: bool,
 }
 

@@ -368,6 +368,64 @@ impl<DB: Database> Opened<'_, DB> {
     }
 }
 
+/// A claim held between its commit and the handler's transaction, as a commit
+/// that stalls (a slow node, flow control) holds it: the fence at the handler's
+/// `BEGIN` is tested with it (`Idempotency::hold_after_claim`; the committed-claim designs of `crate::lease`).
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct Stall(std::sync::Mutex<Option<StallHold>>);
+
+#[cfg(feature = "testing")]
+#[derive(Debug)]
+pub(crate) struct StallHold {
+    reached: tokio::sync::oneshot::Sender<()>,
+    release: tokio::sync::oneshot::Receiver<()>,
+}
+
+#[cfg(feature = "testing")]
+impl Stall {
+    /// Arms the stall for the next claim: the receiver says it is held, the
+    /// sender lets it go.
+    pub(crate) fn arm(
+        &self,
+    ) -> (
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let (reached, is_reached) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel();
+        if let Ok(mut armed) = self.0.lock() {
+            *armed = Some(StallHold {
+                reached,
+                release: released,
+            });
+        }
+        (is_reached, release)
+    }
+
+    /// The armed stall, taken: the claim that takes it waits in `StallHold::wait`.
+    pub(crate) fn take(&self) -> Option<StallHold> {
+        self.0.lock().ok().and_then(|mut armed| armed.take())
+    }
+}
+
+#[cfg(feature = "testing")]
+impl StallHold {
+    /// Says the claim is committed, then waits to be let go (a minute at most).
+    #[cfg(feature = "sqlite")]
+    pub(crate) async fn wait(self) {
+        let released = self.reached();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(60), released).await;
+    }
+
+    /// Says the claim is committed; what is returned ends when it is let go.
+    pub(crate) fn reached(self) -> tokio::sync::oneshot::Receiver<()> {
+        let _ = self.reached.send(());
+        self.release
+    }
+}
+
 /// Reads (scope, key) outside any transaction, and claims it only if absent: one
 /// round trip for a key that is stored, an extra one for a new key.
 pub(crate) async fn look_then_claim<'c, DB: enabled::Driver>(
@@ -380,7 +438,7 @@ pub(crate) async fn look_then_claim<'c, DB: enabled::Driver>(
         return Ok(Opened::Found(found));
     }
     Ok(match DB::idem_claim(conn, sql, id, claim).await? {
-        Some(tx) => Opened::Claimed(tx),
+        Some(adopted) => Opened::Adopted(adopted),
         None => Opened::Lost,
     })
 }
@@ -519,14 +577,16 @@ pub mod enabled {
         ) -> impl Future<Output = Result<Option<Found>, sqlx::Error>> + Send + 'c;
 
         /// Takes (scope, key) under `claim.lease` and opens the transaction the
-        /// handler runs in. `None`: another executor holds it, or it completed meanwhile.
+        /// handler runs in, adopted (`Open::adopt`: a driver may need the
+        /// connection again when the claim turns out lost after its `BEGIN`).
+        /// `None`: another executor holds it, or it completed meanwhile.
         #[doc(hidden)]
         fn idem_claim<'c>(
             conn: &'c mut Self::Connection,
             sql: &'c Self::IdemSql,
             id: &'c Identity<'c>,
             claim: Claim,
-        ) -> impl Future<Output = Result<Option<Transaction<'c, Self>>, sqlx::Error>> + Send + 'c;
+        ) -> impl Future<Output = Result<Option<Adopted>, sqlx::Error>> + Send + 'c;
 
         /// Claims (scope, key) if it is free (`claim.replace` is `false`), else
         /// reports what is stored. By default [`look_then_claim`].
@@ -655,6 +715,16 @@ pub mod enabled {
         #[doc(hidden)]
         fn idem_testing_deferred(sql: &Self::IdemSql, on: bool) {
             let _ = (sql, on);
+        }
+
+        /// Where a claim committed before the handler's transaction can be held
+        /// between the two (`Idempotency::hold_after_claim`); `None` where the
+        /// claim is inside that transaction and there is no gap.
+        #[cfg(feature = "testing")]
+        #[doc(hidden)]
+        fn idem_testing_stall(sql: &Self::IdemSql) -> Option<&Stall> {
+            let _ = sql;
+            None
         }
 
         /// The largest response the database can record, when it is less than

@@ -720,6 +720,9 @@ impl<DB: Backend> Idempotency<DB> {
         // A failed claim's cause may be repaired once (`Step::Again`).
         let repair = may_repair.then_some(claim.ttl_ms);
         let lock = Duration::from_millis(claim.lock_ms.unsigned_abs());
+        // When the claim that took the key was sent: its lock runs from about
+        // then on the database's clock, however long its commit took.
+        let mut sent = Instant::now();
         let (adopted, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
             Ok(Opened::Claimed(tx)) => (Open::adopt(tx), false, claim),
             Ok(Opened::Adopted(adopted)) => (adopted, false, claim),
@@ -737,8 +740,9 @@ impl<DB: Backend> Idempotency<DB> {
                         Decision::InFlight => return Step::InFlight(handler),
                     };
                     let claim = Claim { replace, ..claim };
+                    sent = Instant::now();
                     match DB::idem_claim(&mut conn, sql, id, claim).await {
-                        Ok(Some(tx)) => (Open::adopt(tx), takeover, claim),
+                        Ok(Some(adopted)) => (adopted, takeover, claim),
                         other => {
                             let error = other.err();
                             return self
@@ -781,11 +785,14 @@ impl<DB: Backend> Idempotency<DB> {
 
         let open = Open::new(conn, adopted, !self.inner().transaction_pooled);
         let waits = !options.wait_duration().is_zero();
-        let claimed_at = Instant::now();
+        let claimed_at = sent;
         let limit = self.response_limit();
         let cancelled = self.inner().lifecycle.cancelled();
+        // The handler is cancelled when the claim's lock passes, not a lock after
+        // it started: past that, another executor may take the key over.
+        let left = lock.saturating_sub(claimed_at.elapsed());
         let (ran, open) =
-            run_handler(open, handler, Some(lock), Some(limit), lock, cancelled).await;
+            run_handler(open, handler, Some(left), Some(limit), lock, cancelled).await;
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
             // the claim goes with it (SQLite's row once `lock` has passed).

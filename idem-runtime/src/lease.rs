@@ -33,6 +33,9 @@ pub(crate) struct Dialect {
     pub(crate) begin: &'static str,
     /// Reads run inside such a transaction (`begin`), else on their own.
     pub(crate) reads_in_transaction: bool,
+    /// When a claim in flight may be taken over, in the type of `locked_until`:
+    /// what `Statements::lock_left` counts down to.
+    pub(crate) takeover_at: &'static str,
 }
 
 /// The statements of a committed claim's life after it is taken, for one table.
@@ -46,7 +49,13 @@ pub(crate) struct Statements {
     /// Deletes a claim that was not recorded, if `lease` still holds it: scope,
     /// key, lease.
     pub(crate) release: Arc<str>,
-    /// Milliseconds left on the lock of the key's claim: scope, key.
+    /// A row when `lease` still holds the claim and its lock is ahead: the fence
+    /// a handler starts behind (scope, key, lease). The cluster mode's is its
+    /// ended mark (`mysql::cluster`).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) holds: Arc<str>,
+    /// Milliseconds left until the key's claim may be taken over (its lock,
+    /// and in a cluster the margin `Dialect::takeover_at` adds): scope, key.
     pub(crate) lock_left: Arc<str>,
     /// Age and lock left of the key's claim: scope, key.
     in_flight: Box<str>,
@@ -62,6 +71,9 @@ impl Statements {
     /// The statements for `table`, named as the SQL must name it.
     pub(crate) fn new(dialect: &Dialect, table: &str) -> Self {
         let now = dialect.now;
+        // A duplicate is told to come back when a takeover may happen; an
+        // operator is shown the lock itself, as every backend's listing shows it.
+        let takeover_left = (dialect.ms_until)(dialect.takeover_at);
         let lock_left = (dialect.ms_until)("locked_until");
         let age = (dialect.ms_since)("created_at");
         let key = "scope = ? AND idempotency_key = ?";
@@ -79,8 +91,13 @@ impl Statements {
                 "DELETE FROM {table} WHERE {key} AND lease = ? AND state = 'processing'"
             )
             .into(),
+            holds: format!(
+                "SELECT 1 FROM {table} \
+                 WHERE {key} AND lease = ? AND state = 'processing' AND locked_until > {now}"
+            )
+            .into(),
             lock_left: format!(
-                "SELECT {lock_left} FROM {table} WHERE {key} AND state = 'processing'"
+                "SELECT {takeover_left} FROM {table} WHERE {key} AND state = 'processing'"
             )
             .into(),
             in_flight: format!(
@@ -148,6 +165,34 @@ where
     let row = query.fetch_optional(&mut *tx).await?;
     tx.commit().await?;
     Ok(row)
+}
+
+/// Whether `lease` still holds (scope, key)'s claim with its lock ahead: a claim
+/// committed before the handler's transaction may have lost both in between
+/// (its process paused, its `BEGIN` kept waiting for a writer), and the handler
+/// must then not start beside the executor that took the key over.
+#[cfg(feature = "sqlite")]
+pub(crate) async fn holds<DB>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+    scope: &str,
+    key: &str,
+    lease: i64,
+) -> Result<bool, sqlx::Error>
+where
+    DB: Database + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    for<'e> i64: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+{
+    let row = sqlx::query(AssertSqlSafe(statements.holds.to_string()))
+        .bind(scope)
+        .bind(key)
+        .bind(lease)
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.is_some())
 }
 
 /// Milliseconds left on the lock of the key's claim; `None` when it has none.

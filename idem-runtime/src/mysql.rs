@@ -22,7 +22,7 @@ use crate::backend::{
 use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
 use crate::key::to_hex;
 use crate::lease;
-use crate::tx::Open;
+use crate::tx::{Adopted, Open};
 
 /// The claim's named lock, from its seed: 45 characters, within MySQL's 64. Named
 /// locks are the server's, not a database's: the database is part of the name
@@ -68,6 +68,9 @@ pub struct Sql {
     /// The cluster mode's statements once the server was asked (`mode`); `None`
     /// inside: the standalone design.
     mode: OnceLock<Option<cluster::Sql>>,
+    /// The cluster mode's claim held after its commit, for the fence's tests.
+    #[cfg(feature = "testing")]
+    stall: crate::backend::Stall,
 }
 
 impl Sql {
@@ -113,6 +116,18 @@ impl Sql {
     fn known(&self) -> Option<&cluster::Sql> {
         self.mode.get().and_then(Option::as_ref)
     }
+}
+
+/// The columns a lookup selects, in the shape `Found::decode` reads: a claim is
+/// live until `deadline`, the time a takeover waits for.
+fn columns(deadline: &str) -> String {
+    format!(
+        "state, method, path, content_type, fingerprint, \
+         CAST(status AS SIGNED) AS status, headers, body, \
+         CAST({deadline} > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
+         CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
+              AS SIGNED) AS ttl_left_ms"
+    )
 }
 
 /// The server's error number of `error`, if it is the server's.
@@ -253,12 +268,7 @@ impl Driver for MySql {
         // end by the database clock.
         let held = "@idem_until > UTC_TIMESTAMP(6) AND IS_USED_LOCK(@idem_lock) = CONNECTION_ID()";
         Sql {
-            columns: "state, method, path, content_type, fingerprint, \
-                      CAST(status AS SIGNED) AS status, headers, body, \
-                      CAST(locked_until > UTC_TIMESTAMP(6) AS SIGNED) AS live, \
-                      CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1000) \
-                           AS SIGNED) AS ttl_left_ms"
-                .into(),
+            columns: columns("locked_until").into(),
             record: format!(
                 "UPDATE {table} SET status = ?, headers = ?, body = ? \
                  WHERE scope = ? AND idempotency_key = ? AND lease = ? AND {held}"
@@ -300,6 +310,8 @@ impl Driver for MySql {
             database: database.into(),
             galera: layout.galera,
             mode: OnceLock::new(),
+            #[cfg(feature = "testing")]
+            stall: crate::backend::Stall::default(),
         }
     }
 
@@ -407,7 +419,7 @@ impl Driver for MySql {
         sql: &'c Sql,
         id: &'c Identity<'c>,
         claim: Claim,
-    ) -> Result<Option<Transaction<'c, MySql>>, sqlx::Error> {
+    ) -> Result<Option<Adopted>, sqlx::Error> {
         if let Some(cluster) = sql.mode(conn).await? {
             return cluster::take_over(conn, sql, cluster, id, claim).await;
         }
@@ -420,7 +432,8 @@ impl Driver for MySql {
         let (locked, found) = read(conn, sql, id, None).await?;
         if locked && found.as_ref().is_none_or(Found::replaceable) {
             let text = begin_text(sql, id, claim, New::OrReplace);
-            return conn.begin_with(AssertSqlSafe(text)).await.map(Some);
+            let tx = conn.begin_with(AssertSqlSafe(text)).await?;
+            return Ok(Some(Open::adopt(tx)));
         }
         sqlx::raw_sql(AssertSqlSafe(sql.rollback.clone()))
             .execute(&mut *conn)
@@ -561,6 +574,13 @@ impl Driver for MySql {
             return Ok(());
         }
         finish(conn, sql).await
+    }
+
+    #[cfg(feature = "testing")]
+    fn idem_testing_stall(sql: &Sql) -> Option<&crate::backend::Stall> {
+        // Only the cluster mode commits its claim before the handler's
+        // transaction; known after the store's first request.
+        sql.known().map(|_| &sql.stall)
     }
 
     fn idem_max_response(sql: &Sql) -> Option<usize> {

@@ -24,6 +24,7 @@ use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,
 };
 use crate::signal::signal_of;
+use crate::tx::{Adopted, Open};
 
 /// What a claim requires: that the keyed transaction holds the key's advisory
 /// lock, as [`Sql::opening`] left it in the transaction's setting `idem.locked`.
@@ -472,14 +473,14 @@ impl Driver for Postgres {
         sql: &'c Sql,
         id: &'c Identity<'c>,
         claim: Claim,
-    ) -> Result<Option<Transaction<'c, Postgres>>, sqlx::Error> {
+    ) -> Result<Option<Adopted>, sqlx::Error> {
         // A plain INSERT when the key was free: ON CONFLICT's speculative insertion
         // cost ~8% of throughput here. A row committed between the lookup and the
         // advisory lock then shows up as a unique violation: the race was lost.
         sql.find_functions(conn).await?;
         let mut tx = sql.opening(conn, id, claim.lock_ms).await?;
         match sql.take(&mut tx, id, claim).await {
-            Ok(true) => Ok(Some(tx)),
+            Ok(true) => Ok(Some(Open::adopt(tx))),
             // The statement let the session lock go.
             Ok(false) => {
                 tx.rollback().await?;

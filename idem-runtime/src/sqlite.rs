@@ -15,6 +15,7 @@ use crate::backend::{
 };
 use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch, reseal_each};
 use crate::lease::{self, Dialect, Statements};
+use crate::tx::{Adopted, Open};
 
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
@@ -32,6 +33,8 @@ const DIALECT: Dialect = Dialect {
     // The write lock, as every writer takes it; WAL never blocks a reader.
     begin: "BEGIN IMMEDIATE",
     reads_in_transaction: false,
+    // One database file, one machine's clock: the lock itself.
+    takeover_at: "locked_until",
 };
 
 #[doc(hidden)]
@@ -48,6 +51,9 @@ pub struct Sql {
     /// `Driver::idem_testing_deferred`).
     #[cfg(feature = "testing")]
     deferred_now: std::sync::atomic::AtomicBool,
+    /// The claim held after its commit, for the fence's tests.
+    #[cfg(feature = "testing")]
+    stall: crate::backend::Stall,
     /// The key table, in the `main` schema: a temporary table or view of the
     /// same name, which a handler may create, comes before `main` otherwise.
     table: Box<str>,
@@ -113,6 +119,8 @@ impl Driver for Sqlite {
             table: table.into(),
             #[cfg(feature = "testing")]
             deferred_now: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "testing")]
+            stall: crate::backend::Stall::default(),
         }
     }
 
@@ -166,10 +174,29 @@ impl Driver for Sqlite {
         sql: &'c Sql,
         id: &'c Identity<'c>,
         claim: Claim,
-    ) -> Result<Option<Transaction<'c, Sqlite>>, sqlx::Error> {
+    ) -> Result<Option<Adopted>, sqlx::Error> {
         let Some(patience) = claim_row(conn, sql, id, claim).await? else {
             return Ok(None);
         };
+        #[cfg(feature = "testing")]
+        if let Some(hold) = sql.stall.take() {
+            hold.wait().await;
+        }
+        // The handler starts only while the claim holds (`lease::holds`). Its
+        // `BEGIN IMMEDIATE` may wait for another writer up to the busy timeout,
+        // so the fence is read after it, under the write lock that no takeover
+        // gets past. A deferred `BEGIN` waits for nobody, and a read inside it
+        // would start the handler's snapshot before its first write (which then
+        // fails if anyone wrote meanwhile): it is read just before.
+        let immediate = sql.begin() == "BEGIN IMMEDIATE";
+        if !immediate && !fence(conn, sql, id, claim).await? {
+            let restore = format!("PRAGMA busy_timeout = {patience}");
+            sqlx::query(AssertSqlSafe(restore))
+                .execute(&mut *conn)
+                .await?;
+            Self::idem_finish(conn, sql, id, claim.lease, false).await?;
+            return Ok(None);
+        }
         // The busy timeout comes back in the same round trip as the `BEGIN`, which
         // must wait for the writer as configured; the savepoint goes with it. If
         // this fails the claim is committed: the engine releases it.
@@ -177,7 +204,17 @@ impl Driver for Sqlite {
             "PRAGMA busy_timeout = {patience}; {}; SAVEPOINT {HANDLER_SAVEPOINT}",
             sql.begin()
         );
-        conn.begin_with(AssertSqlSafe(begin)).await.map(Some)
+        let adopted = Open::adopt(conn.begin_with(AssertSqlSafe(begin)).await?);
+        if immediate {
+            let held = fence(conn, sql, id, claim).await;
+            if !matches!(held, Ok(true)) {
+                <Sqlite as sqlx::Database>::TransactionManager::rollback(&mut *conn).await?;
+                held?;
+                Self::idem_finish(conn, sql, id, claim.lease, false).await?;
+                return Ok(None);
+            }
+        }
+        Ok(Some(adopted))
     }
 
     async fn idem_begin(
@@ -281,6 +318,11 @@ impl Driver for Sqlite {
     fn idem_testing_deferred(sql: &Sql, on: bool) {
         sql.deferred_now
             .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[cfg(feature = "testing")]
+    fn idem_testing_stall(sql: &Sql) -> Option<&crate::backend::Stall> {
+        Some(&sql.stall)
     }
 
     fn idem_finish_again(_sql: &Sql, error: &sqlx::Error) -> Again {
@@ -446,6 +488,16 @@ async fn claim_row(
         .execute(&mut *conn)
         .await?;
     outcome
+}
+
+/// Whether the claim still holds its key (`lease::holds`).
+async fn fence(
+    conn: &mut SqliteConnection,
+    sql: &Sql,
+    id: &Identity<'_>,
+    claim: Claim,
+) -> Result<bool, sqlx::Error> {
+    lease::holds::<Sqlite>(conn, &sql.lease, id.scope, id.key, claim.lease).await
 }
 
 /// Marks the key `transaction-ended` once the handler has ended the transaction

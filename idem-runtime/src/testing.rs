@@ -717,3 +717,15 @@ fn fresh_key() -> String {
         crate::engine::random_u64()
     )
 }
+
+impl<DB: Backend> Idempotency<DB> {
+    /// Holds this store's next claim between its commit and the handler's
+    /// transaction, as a stalled commit or a paused process would: the first
+    /// receiver says it is held, the sender lets it go. `None` where the claim is
+    /// part of the handler's transaction (PostgreSQL, standalone MySQL) or the
+    /// mode is not known yet (MySQL, before the store's first request).
+    #[doc(hidden)]
+    pub fn hold_after_claim(&self) -> Option<(oneshot::Receiver<()>, oneshot::Sender<()>)> {
+        DB::idem_testing_stall(&self.inner().sql).map(crate::backend::Stall::arm)
+    }
+}

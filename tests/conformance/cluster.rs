@@ -194,14 +194,15 @@ async fn mysql_cluster_mode_sends_nothing_a_strict_cluster_refuses() {
         work.gate.notify_one();
         assert_eq!(first.await.expect("first"), Outcome::Executed);
         assert_eq!(waiting.await.expect("waiting"), Outcome::Replayed);
-        // A claim left past its lock, and an expired record: taken over, replaced.
+        // A claim left past its lock twice (the cluster's margin), and an expired
+        // record: taken over, replaced.
         h.script(
             "INSERT INTO pxc_keys (scope, idempotency_key, state, lease, method, path, \
                  fingerprint, content_type, locked_until, expires_at, created_at) \
              VALUES ('alice', 'k-stale', 'processing', 7, 'POST', '/effects', \
                      UNHEX(SHA2('{\"amount\":100}', 256)), '', \
-                     UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, \
-                     UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE), \
+                     UTC_TIMESTAMP(6) - INTERVAL 61 SECOND, UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, \
+                     UTC_TIMESTAMP(6) - INTERVAL 2 MINUTE), \
                     ('alice', 'k-old', 'completed', 8, 'POST', '/effects', \
                      UNHEX(SHA2('{\"amount\":100}', 256)), '', \
                      UTC_TIMESTAMP(6) - INTERVAL 2 HOUR, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, \

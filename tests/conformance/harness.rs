@@ -57,6 +57,18 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// write lock is that handler's until it ends.
     const SWEEPS_BESIDE_HANDLERS: bool = true;
 
+    /// Whether a claim commits before the handler's transaction begins (SQLite;
+    /// MySQL's cluster mode), leaving a gap between the two.
+    fn claims_commit_first(&self) -> bool {
+        false
+    }
+
+    /// How long after its claim a crashed executor's key may be taken over: its
+    /// lock, and in MySQL's cluster mode once more (node clocks differ).
+    fn takeover_after(&self, lock: std::time::Duration) -> std::time::Duration {
+        lock
+    }
+
     /// `None` when the backend is not reachable outside CI (the caller says so).
     fn start(max_response_bytes: usize) -> impl Future<Output = Option<Self>> + Send;
 
@@ -105,7 +117,8 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// access to the table could.
     fn rewrite_row(&self, scope: &str, key: &str, row: &KeyRow) -> impl Future<Output = ()> + Send;
 
-    /// What a crashed executor leaves: a `processing` row whose lock ran out.
+    /// What a crashed executor leaves: a `processing` row whose lock ran out
+    /// (in MySQL's cluster mode, twice: see `takeover_after`).
     fn insert_stale_claim(
         &self,
         scope: &str,

@@ -33,6 +33,7 @@ mod deadlock;
 mod edges;
 #[cfg(feature = "mysql")]
 mod ended;
+mod fence;
 mod harness;
 mod json;
 mod kit;
@@ -67,6 +68,7 @@ use edges::{
     inconsistent_options_are_refused, migrate_upgrades_a_table_of_the_previous_release,
     mismatches_name_the_part_that_differs, the_table_holds_legal_requests_and_responses,
 };
+use fence::stalled_claims_never_start_beside_a_takeover;
 use harness::Harness;
 #[cfg(feature = "mysql")]
 use harness::My;
@@ -766,7 +768,8 @@ async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
     };
     // The retry comes once the stalled executor holds the key and its lock has passed.
     await_started(&key).await;
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let takeover = h.takeover_after(Duration::from_millis(1000));
+    tokio::time::sleep(takeover + Duration::from_millis(200)).await;
     let retry = send(&app, &req).await;
     if !H::STALLED_WRITER_BLOCKS_TAKEOVER {
         // The database ended the stalled executor's session at its lock, so the
@@ -1365,6 +1368,7 @@ conformance!(
     not_executed_answers_release_the_key,
     hung_executor_is_cancelled_at_its_lock,
     late_executor_cannot_commit_after_takeover,
+    stalled_claims_never_start_beside_a_takeover,
     stale_claim_is_taken_over_once,
     expired_key_executes_anew,
     disconnected_clients_leave_no_stuck_claim,

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row as _, Transaction};
+use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row as _};
 use sqlx_core::transaction::TransactionManager as _;
 
 use super::{
@@ -27,7 +27,19 @@ use super::{
 use crate::backend::{Claim, Found, Identity, Opened};
 use crate::key::to_hex;
 use crate::lease::{Dialect, Statements};
-use crate::tx::Open;
+use crate::tx::{Adopted, Open};
+
+/// When another node may take a claim over: once its lock has passed twice, by
+/// that node's clock. The deadline is written by the claiming node's clock and
+/// compared by another's, and node clocks differ (by milliseconds under NTP,
+/// by seconds when it fails or a paused machine resumes): a takeover at the lock
+/// itself would start beside an executor still running whenever the taking
+/// node's clock runs ahead. Waiting one more lock (the claim's own: its
+/// `locked_until` less its `created_at`) leaves any difference under the lock
+/// harmless; the executor's own checks (the fence, the record) compare on its
+/// own node, against its own clock. `docs/deployment.md`, "Clocks".
+const TAKEOVER_AT: &str =
+    "locked_until + INTERVAL TIMESTAMPDIFF(MICROSECOND, created_at, locked_until) MICROSECOND";
 
 /// Times are `DATETIME(6)` in UTC.
 const DIALECT: Dialect = Dialect {
@@ -40,6 +52,7 @@ const DIALECT: Dialect = Dialect {
     },
     begin: super::BEGIN_READ_COMMITTED,
     reads_in_transaction: true,
+    takeover_at: TAKEOVER_AT,
 };
 
 /// Room a write set needs beyond the response it carries: the claim's row and
@@ -61,6 +74,8 @@ const BUSY_PATIENCE: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub(super) lease: Statements,
+    /// The columns a lookup selects: a claim is live until `TAKEOVER_AT`.
+    columns: Box<str>,
     /// Completes the ended mark with the response, in the handler's transaction.
     pub(super) record: Arc<str>,
     /// `COMMIT`, then the session's own settings back.
@@ -80,6 +95,7 @@ impl Sql {
         let restore = restore(sync_wait);
         Self {
             lease: Statements::new(&DIALECT, table),
+            columns: super::columns(TAKEOVER_AT).into(),
             record: format!(
                 "UPDATE {table} SET status = ?, headers = ?, body = ? \
                  WHERE scope = ? AND idempotency_key = ? AND lease = ? \
@@ -168,12 +184,20 @@ fn session_text(cluster: &Sql, claim: Claim) -> String {
 
 /// After the claim's `COMMIT`: the handler's transaction, with the ended mark in
 /// it (see `super::begin_text`) and later transactions read-only.
+///
+/// The mark is also the fence the handler starts behind: it changes the row only
+/// while the claim's lease holds it and its lock is ahead. A claim whose commit
+/// stalled past its lock (flow control, a slow node, a paused process) may have
+/// been taken over on another node meanwhile; the mark then changes nothing, and
+/// the text fails (1690) before the handler could run beside the new owner.
 fn begin_text(sql: &super::Sql, id: &Identity<'_>, claim: Claim) -> String {
     let wait_secs = claim.lock_ms.saturating_add(999) / 1000;
     format!(
         "SET SESSION innodb_lock_wait_timeout = {wait_secs}; BEGIN; \
          UPDATE {} SET state = 'completed', status = 500 \
-         WHERE {} AND lease = {} AND state = 'processing'; \
+         WHERE {} AND lease = {} AND state = 'processing' \
+           AND locked_until > UTC_TIMESTAMP(6); \
+         SELECT 18446744073709551615 + (ROW_COUNT() = 0); \
          {LATER_READ_ONLY}",
         sql.table,
         key_filter(id),
@@ -213,25 +237,18 @@ fn lost(error: &sqlx::Error) -> bool {
     matches!(error_number(error), Some(1690 | 1062 | 1205 | 1213))
 }
 
-/// Claims a new key in one round trip: the check (a consistent read that waits
-/// for the cluster's earlier writes) stops the text when the key has a row; the
-/// insert and its `COMMIT` claim it, certified on every node; the handler's
-/// transaction begins.
-pub(super) async fn open<'c>(
-    conn: &'c mut MySqlConnection,
-    sql: &'c super::Sql,
-    cluster: &'c Sql,
-    id: &'c Identity<'c>,
-    claim: Claim,
-) -> Result<Opened<'c, MySql>, sqlx::Error> {
+/// A new key's claim: the check (a consistent read that waits for the cluster's
+/// earlier writes) stops the text when the key has a row; the insert and its
+/// `COMMIT` claim it, certified on every node.
+fn insert_text(sql: &super::Sql, cluster: &Sql, id: &Identity<'_>, claim: Claim) -> String {
     let row = claim_row(id, claim);
     let columns: Vec<&str> = row.iter().map(|(column, _)| *column).collect();
     let values: Vec<&str> = row.iter().map(|(_, value)| value.as_str()).collect();
-    let text = format!(
+    format!(
         "{}; {}{READ_COMMITTED_ONCE}; \
          SELECT 18446744073709551615 + EXISTS (SELECT 1 FROM {} WHERE {}); \
          {}INSERT INTO {} (scope, idempotency_key, {}) VALUES (X'{}', X'{}', {}); \
-         COMMIT; {}",
+         COMMIT",
         session_text(cluster, claim),
         cluster.sync_on(),
         sql.table,
@@ -242,6 +259,25 @@ pub(super) async fn open<'c>(
         to_hex(id.scope.as_bytes()),
         to_hex(id.key.as_bytes()),
         values.join(", "),
+    )
+}
+
+/// Claims a new key in one round trip: the claim (`insert_text`), then the
+/// handler's transaction behind its fence (`begin_text`).
+pub(super) async fn open<'c>(
+    conn: &'c mut MySqlConnection,
+    sql: &'c super::Sql,
+    cluster: &'c Sql,
+    id: &'c Identity<'c>,
+    claim: Claim,
+) -> Result<Opened<'c, MySql>, sqlx::Error> {
+    #[cfg(feature = "testing")]
+    if let Some(hold) = sql.stall.take() {
+        return open_stalled(conn, sql, cluster, id, claim, hold).await;
+    }
+    let text = format!(
+        "{}; {}",
+        insert_text(sql, cluster, id, claim),
         begin_text(sql, id, claim),
     );
     // A row lock is not only a claim's: a sweep's deletions or an index gap may
@@ -268,6 +304,72 @@ pub(super) async fn open<'c>(
     }
 }
 
+/// `open` with the claim held between its `COMMIT` and the handler's `BEGIN`
+/// (`Idempotency::hold_after_claim`): two round trips where `open` sends one.
+#[cfg(feature = "testing")]
+async fn open_stalled<'c>(
+    conn: &'c mut MySqlConnection,
+    sql: &'c super::Sql,
+    cluster: &'c Sql,
+    id: &'c Identity<'c>,
+    claim: Claim,
+    hold: crate::backend::StallHold,
+) -> Result<Opened<'c, MySql>, sqlx::Error> {
+    let text = insert_text(sql, cluster, id, claim);
+    match sqlx::raw_sql(AssertSqlSafe(text)).execute(&mut *conn).await {
+        Ok(_) => {}
+        Err(error) if lost(&error) => {
+            let found = read(conn, sql, cluster, id, claim.lease).await?;
+            return Ok(found.map_or(Opened::Lost, Opened::Found));
+        }
+        Err(error) => return Err(error),
+    }
+    stall(conn, hold).await?;
+    begin_fenced(conn, sql, cluster, id, claim).await
+}
+
+/// Holds a committed claim's session as a stalled commit would: busy, so that
+/// the server's idle timeout (`wait_timeout`, the lock) does not end it.
+#[cfg(feature = "testing")]
+async fn stall(
+    conn: &mut MySqlConnection,
+    hold: crate::backend::StallHold,
+) -> Result<(), sqlx::Error> {
+    let mut released = hold.reached();
+    for _ in 0..240 {
+        let tick = Duration::from_millis(250);
+        if tokio::time::timeout(tick, &mut released).await.is_ok() {
+            break;
+        }
+        sqlx::raw_sql("DO 0").execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+/// The handler's transaction after a claim committed in a round trip of its own:
+/// `Adopted` behind its fence (`begin_text`), else what the key holds now.
+async fn begin_fenced<'c>(
+    conn: &'c mut MySqlConnection,
+    sql: &'c super::Sql,
+    cluster: &'c Sql,
+    id: &'c Identity<'c>,
+    claim: Claim,
+) -> Result<Opened<'c, MySql>, sqlx::Error> {
+    let begin = begin_text(sql, id, claim);
+    // Adopted at once, so that the connection is free for the fenced arm.
+    let begun = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(begin))
+        .await
+        .map(Open::adopt);
+    match begun {
+        Ok(adopted) => Ok(Opened::Adopted(adopted)),
+        Err(error) if error_number(&error) == Some(1690) => {
+            let found = read(conn, sql, cluster, id, claim.lease).await?;
+            Ok(found.map_or(Opened::Lost, Opened::Found))
+        }
+        Err(error) => Err(error),
+    }
+}
+
 /// Takes over a row the engine found expired, or a claim past its lock, with one
 /// conditional statement whose row count decides (never a read, then a write:
 /// between the two another node may have taken it).
@@ -277,7 +379,7 @@ pub(super) async fn take_over<'c>(
     cluster: &'c Sql,
     id: &'c Identity<'c>,
     claim: Claim,
-) -> Result<Option<Transaction<'c, MySql>>, sqlx::Error> {
+) -> Result<Option<Adopted>, sqlx::Error> {
     let set: Vec<String> = claim_row(id, claim)
         .iter()
         .map(|(column, value)| format!("{column} = {value}"))
@@ -287,7 +389,7 @@ pub(super) async fn take_over<'c>(
     let text = format!(
         "{}; {READ_COMMITTED_ONCE}; \
          UPDATE {} SET {} WHERE {} AND (expires_at <= UTC_TIMESTAMP(6) \
-                OR (state = 'processing' AND locked_until <= UTC_TIMESTAMP(6))); \
+                OR (state = 'processing' AND {TAKEOVER_AT} <= UTC_TIMESTAMP(6))); \
          SELECT 18446744073709551615 + (ROW_COUNT() = 0); \
          COMMIT",
         session_text(cluster, claim),
@@ -303,10 +405,14 @@ pub(super) async fn take_over<'c>(
         }
         Err(error) => return Err(error),
     }
-    let begin = begin_text(sql, id, claim);
-    sqlx::Connection::begin_with(conn, AssertSqlSafe(begin))
-        .await
-        .map(Some)
+    #[cfg(feature = "testing")]
+    if let Some(hold) = sql.stall.take() {
+        stall(conn, hold).await?;
+    }
+    Ok(match begin_fenced(conn, sql, cluster, id, claim).await? {
+        Opened::Adopted(adopted) => Some(adopted),
+        _ => None,
+    })
 }
 
 /// After a claim lost: rolls back what it began, reads what is stored (waiting for
@@ -327,7 +433,7 @@ async fn read(
          FROM (SELECT 1 AS one) AS o LEFT JOIN {} ON {}; \
          {}",
         cluster.sync_on(),
-        sql.columns,
+        cluster.columns,
         sql.table,
         key_filter(id),
         cluster.rollback,
@@ -375,7 +481,7 @@ pub(super) async fn lookup(
             "NULL"
         },
         cluster.sync_on(),
-        sql.columns,
+        cluster.columns,
         sql.table,
         key_filter(id),
         cluster.sync_back(),

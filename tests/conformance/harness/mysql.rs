@@ -199,6 +199,14 @@ impl HeldKey {
 impl Harness for My {
     type DB = MySql;
 
+    fn claims_commit_first(&self) -> bool {
+        self.galera
+    }
+
+    fn takeover_after(&self, lock: Duration) -> Duration {
+        if self.galera { lock * 2 } else { lock }
+    }
+
     // MariaDB's INNODB_TRX showed a waiting transaction as RUNNING, or not at all;
     // a statement blocked on a row stays in the `Updating` state.
     const LOCK_WAITS: &'static str = "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
@@ -395,8 +403,8 @@ impl Harness for My {
         sqlx::query(
             "INSERT INTO idempotency_keys (scope, idempotency_key, state, lease, method, path, \
                  fingerprint, locked_until, expires_at, created_at) \
-             VALUES (?, ?, 'processing', 42, ?, ?, ?, UTC_TIMESTAMP(6) - INTERVAL 1 SECOND, \
-                 UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, UTC_TIMESTAMP(6) - INTERVAL 31 SECOND)",
+             VALUES (?, ?, 'processing', 42, ?, ?, ?, UTC_TIMESTAMP(6) - INTERVAL 31 SECOND, \
+                 UTC_TIMESTAMP(6) + INTERVAL 1 HOUR, UTC_TIMESTAMP(6) - INTERVAL 61 SECOND)",
         )
         .bind(scope)
         .bind(key)

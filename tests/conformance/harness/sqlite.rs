@@ -34,6 +34,10 @@ impl<const DEFERRED: bool> LiteMode<DEFERRED> {
 impl<const DEFERRED: bool> Harness for LiteMode<DEFERRED> {
     type DB = Sqlite;
 
+    fn claims_commit_first(&self) -> bool {
+        true
+    }
+
     // One writer: nobody waits for a row.
     const LOCK_WAITS: &'static str = "SELECT 0";
 

@@ -49,6 +49,106 @@ async fn on_node(port: u16, sql: &str) -> Result<Vec<(String, i64)>, String> {
         .map_err(|e| format!("{sql}: {e}"))
 }
 
+/// A database of the scenario's own, created through node 1 and waited for on
+/// every node; the connection to node 1 that created it.
+async fn create_database(database: &str) -> Result<MySqlConnection, String> {
+    let mut first = node(NODES[0]).await?;
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut first)
+        .await
+        .map_err(|e| e.to_string())?;
+    // Every node has the database before an instance connects to it.
+    for port in NODES {
+        let sql = format!(
+            "SELECT SCHEMA_NAME, 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = '{database}'"
+        );
+        match on_node(port, &sql).await {
+            Ok(found) if found.len() == 1 => {}
+            other => return Err(format!("the database on {port}: {other:?}")),
+        }
+    }
+    Ok(first)
+}
+
+/// An instance of the suite's server on each node of `ports`.
+async fn instances_on(ports: &[u16], database: &str) -> Result<Vec<Proc>, String> {
+    let mut instances = Vec::new();
+    for port in ports {
+        // `IDEM_FAULTS_GALERA=0` runs the standalone design instead, which must
+        // fail these scenarios: the proof that they can.
+        let galera = std::env::var("IDEM_FAULTS_GALERA").unwrap_or_default();
+        let env = [("ACQUIRE_MS", "3000"), ("GALERA", galera.as_str())];
+        instances.push(Proc::server(&url(*port, database), &env).await?);
+    }
+    Ok(instances)
+}
+
+/// What every node holds: one effect per key, every key completed, no claim
+/// left behind.
+async fn every_node_holds(row: &mut Row, database: &str, keys: u64) {
+    for port in NODES {
+        let effects =
+            format!("SELECT note, COUNT(*) FROM {database}.effects GROUP BY note ORDER BY note");
+        match on_node(port, &effects).await {
+            Ok(notes) => {
+                let doubles = notes.iter().filter(|(_, n)| *n > 1).count() as u64;
+                row.doubles = row.doubles.max(doubles);
+                row.check(notes.len() as u64 == keys, || {
+                    format!(
+                        "node {port}: {} keys with an effect, of {keys}",
+                        notes.len()
+                    )
+                });
+                if port == NODES[0] {
+                    row.effects = notes.iter().map(|(_, n)| *n as u64).sum();
+                }
+            }
+            Err(error) => row.problems.push(error),
+        }
+        let states =
+            format!("SELECT state, COUNT(*) FROM {database}.idempotency_keys GROUP BY state");
+        match on_node(port, &states).await {
+            Ok(states) => row.check(states == [("completed".to_owned(), keys as i64)], || {
+                format!("node {port}: keys {states:?}, expected {keys} completed")
+            }),
+            Err(error) => row.problems.push(error),
+        }
+    }
+}
+
+/// Every run of the handler, by note, from every instance (`GET /runs`); a key
+/// that ran twice at once is a problem of `row`'s.
+async fn runs_at_once(row: &mut Row, addrs: &[String]) -> BTreeMap<String, Vec<(u128, u128)>> {
+    let mut runs: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
+    for addr in addrs {
+        match crate::proc::get_json(addr, "/runs", None).await {
+            Ok(serde_json::Value::Array(all)) => {
+                for run in all {
+                    let note = run[0].as_str().unwrap_or_default().to_owned();
+                    let (began, ended) = (run[1].as_u64(), run[2].as_u64());
+                    if let (Some(began), Some(ended)) = (began, ended) {
+                        runs.entry(note)
+                            .or_default()
+                            .push((u128::from(began), u128::from(ended)));
+                    }
+                }
+            }
+            other => row.problems.push(format!("runs from {addr}: {other:?}")),
+        }
+    }
+    let mut at_once = Vec::new();
+    for (note, times) in &mut runs {
+        times.sort_unstable();
+        if times.windows(2).any(|two| two[1].0 < two[0].1) {
+            at_once.push(note.clone());
+        }
+    }
+    row.check(at_once.is_empty(), || {
+        format!("{} keys run twice at once: {at_once:?}", at_once.len())
+    });
+    runs
+}
+
 /// The keys sent: each to every instance at once; a client whose instance fails
 /// (its node died: 503, or no answer) or is busy (409) tries the next one.
 pub async fn node_killed() -> Row {
@@ -62,37 +162,14 @@ pub async fn node_killed() -> Row {
     } else {
         150
     };
-    let mut first = match node(NODES[0]).await {
+    let mut first = match create_database(&database).await {
         Ok(conn) => conn,
         Err(error) => return row.failed(error),
     };
-    if let Err(error) = sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {database}")))
-        .execute(&mut first)
-        .await
-    {
-        return row.failed(error.to_string());
-    }
-    // Every node has the database before an instance connects to it.
-    for port in NODES {
-        let sql = format!(
-            "SELECT SCHEMA_NAME, 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = '{database}'"
-        );
-        match on_node(port, &sql).await {
-            Ok(found) if found.len() == 1 => {}
-            other => return row.failed(format!("the database on {port}: {other:?}")),
-        }
-    }
-    let mut instances = Vec::new();
-    for port in NODES {
-        // `IDEM_FAULTS_GALERA=0` runs the standalone design instead, which must
-        // fail here: the proof that this scenario can.
-        let galera = std::env::var("IDEM_FAULTS_GALERA").unwrap_or_default();
-        let env = [("ACQUIRE_MS", "3000"), ("GALERA", galera.as_str())];
-        match Proc::server(&url(port, &database), &env).await {
-            Ok(instance) => instances.push(instance),
-            Err(error) => return row.failed(error),
-        }
-    }
+    let instances = match instances_on(&NODES, &database).await {
+        Ok(instances) => instances,
+        Err(error) => return row.failed(error),
+    };
     let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
 
     let started = Instant::now();
@@ -175,65 +252,11 @@ pub async fn node_killed() -> Row {
         format!("{} of {keys} keys answered 201", answered.len())
     });
 
-    // What every node holds, the rejoined one included: one effect per key, every
-    // key completed, no claim left behind.
-    for port in NODES {
-        let effects =
-            format!("SELECT note, COUNT(*) FROM {database}.effects GROUP BY note ORDER BY note");
-        match on_node(port, &effects).await {
-            Ok(notes) => {
-                let doubles = notes.iter().filter(|(_, n)| *n > 1).count() as u64;
-                row.doubles = row.doubles.max(doubles);
-                row.check(notes.len() as u64 == keys, || {
-                    format!(
-                        "node {port}: {} keys with an effect, of {keys}",
-                        notes.len()
-                    )
-                });
-                if port == NODES[0] {
-                    row.effects = notes.iter().map(|(_, n)| *n as u64).sum();
-                }
-            }
-            Err(error) => row.problems.push(error),
-        }
-        let states =
-            format!("SELECT state, COUNT(*) FROM {database}.idempotency_keys GROUP BY state");
-        match on_node(port, &states).await {
-            Ok(states) => row.check(states == [("completed".to_owned(), keys as i64)], || {
-                format!("node {port}: keys {states:?}, expected {keys} completed")
-            }),
-            Err(error) => row.problems.push(error),
-        }
-    }
+    // What every node holds, the rejoined one included.
+    every_node_holds(&mut row, &database, keys).await;
     // The handler's runs, from every instance: never two of a key at once. (A
     // run whose node died is followed by another once its claim's lock passed.)
-    let mut runs: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
-    for addr in &addrs {
-        match crate::proc::get_json(addr, "/runs", None).await {
-            Ok(serde_json::Value::Array(all)) => {
-                for run in all {
-                    let note = run[0].as_str().unwrap_or_default().to_owned();
-                    let (began, ended) = (run[1].as_u64(), run[2].as_u64());
-                    if let (Some(began), Some(ended)) = (began, ended) {
-                        runs.entry(note)
-                            .or_default()
-                            .push((u128::from(began), u128::from(ended)));
-                    }
-                }
-            }
-            other => row.problems.push(format!("runs from {addr}: {other:?}")),
-        }
-    }
-    let mut at_once = Vec::new();
-    for (note, times) in &mut runs {
-        times.sort_unstable();
-        if times.windows(2).any(|two| two[1].0 < two[0].1) {
-            at_once.push(note.clone());
-        }
-    }
-    row.check(at_once.is_empty(), || {
-        format!("{} keys run twice at once: {at_once:?}", at_once.len())
-    });
+    let runs = runs_at_once(&mut row, &addrs).await;
     let again = runs.values().filter(|times| times.len() > 1).count();
     drop(instances);
     let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
@@ -246,4 +269,180 @@ pub async fn node_killed() -> Row {
         started.elapsed().as_secs()
     );
     row
+}
+
+/// How far ahead the skewed node's clock runs.
+const SKEW_SECS: u64 = 3;
+/// The node whose clock is skewed: the third.
+const SKEWED: usize = 2;
+
+/// Node 3's wall clock `SKEW_SECS` ahead (libfaketime on its `mariadbd`, the
+/// monotonic clock untouched), as when a node's NTP fails. Each key goes to an
+/// instance on node 1, and 300 ms later to one on node 3, whose client retries
+/// every 409 at once (no Retry-After) until it gets an answer: a handler of 4 s
+/// under a 5 s lock, longer than the skew. Node 3 reads node 1's deadlines as if
+/// they were `SKEW_SECS` nearer; no key may run on both nodes at once. Then two
+/// keys with a ttl of 6 s: the one looked up through node 1 never expires early,
+/// the one through node 3 by no more than the skew.
+pub async fn clock_skewed() -> Row {
+    let mut row = Row::new("Galera node clock 3 s ahead", Backend::MySql);
+    let database = format!("idem_faults_skew_{}", std::process::id());
+    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
+        60
+    } else {
+        20
+    };
+    let skewed = NODES[SKEWED];
+    if let Err(error) = galera_cli(&["skew", &(SKEWED + 1).to_string(), &format!("+{SKEW_SECS}")]) {
+        return row.failed(error);
+    }
+    let ran = skewed_storm(&mut row, &database, keys).await;
+    // The node's clock back, whatever happened.
+    if let Err(error) = galera_cli(&["node", &(SKEWED + 1).to_string()]) {
+        row.problems.push(error);
+    }
+    if let Err(error) = ran {
+        row.problems.push(error);
+    }
+    if let Ok(mut first) = node(NODES[0]).await {
+        let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
+            .execute(&mut first)
+            .await;
+    }
+    row.note = format!(
+        "{keys} keys through node 1, then node {} ({skewed}); {}",
+        SKEWED + 1,
+        row.note
+    );
+    row
+}
+
+/// `bash .ci/galera ARGS`, from the repository.
+fn galera_cli(args: &[&str]) -> Result<(), String> {
+    let status = std::process::Command::new("bash")
+        .arg(".ci/galera")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(".ci/galera {args:?}: {status}"))
+    }
+}
+
+async fn skewed_storm(row: &mut Row, database: &str, keys: u64) -> Result<(), String> {
+    // The skew as the two nodes' clocks show it, read one after the other.
+    let read = "SELECT 'now', CAST(UNIX_TIMESTAMP(UTC_TIMESTAMP(6)) * 1000 AS SIGNED)";
+    let ahead = on_node(NODES[SKEWED], read).await?[0].1 - on_node(NODES[0], read).await?[0].1;
+    if ahead < (SKEW_SECS * 1000 - 500) as i64 {
+        return Err(format!("node {} is only {ahead} ms ahead", SKEWED + 1));
+    }
+    create_database(database).await?;
+    let instances = instances_on(&[NODES[0], NODES[SKEWED]], database).await?;
+    let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
+    let once = client(1);
+    let started = Instant::now();
+    let mut sent = JoinSet::new();
+    for k in 0..keys {
+        for (through, delay) in [(0, 0), (1, 300)] {
+            let (once, addr) = (once.clone(), addrs[through].clone());
+            sent.spawn(async move {
+                tokio::time::sleep(Duration::from_millis(k * 150 + delay)).await;
+                let key = format!("skew-{k}");
+                let headers = crate::scenarios::effect_headers(
+                    &key,
+                    &[("x-sleep-ms", 4000), ("x-lock-ms", 5000)],
+                );
+                let mut attempts: u32 = 0;
+                let deadline = Instant::now() + Duration::from_secs(40);
+                while Instant::now() < deadline {
+                    attempts += 1;
+                    match post(&once, &addr, "/effects", &headers, key.clone()).await {
+                        Ok(answer) if answer.status == 201 => return (k, Ok(attempts)),
+                        Ok(answer) if answer.status == 409 => {}
+                        Ok(answer) => {
+                            return (k, Err(format!("{} {}", answer.status, answer.text())));
+                        }
+                        Err(error) => return (k, Err(error)),
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                (k, Err("never answered 201 within 40 s".to_owned()))
+            });
+        }
+    }
+    let mut answered: BTreeMap<u64, u32> = BTreeMap::new();
+    while let Some(joined) = sent.join_next().await {
+        match joined {
+            Ok((k, Ok(attempts))) => {
+                row.requests += u64::from(attempts);
+                *answered.entry(k).or_default() += 1;
+            }
+            Ok((k, Err(problem))) => row.problems.push(format!("skew-{k}: {problem}")),
+            Err(error) => row.problems.push(error.to_string()),
+        }
+    }
+    row.check(
+        answered.values().filter(|n| **n == 2).count() as u64 == keys,
+        || {
+            format!(
+                "{} of {keys} keys answered 201 on both nodes",
+                answered.len()
+            )
+        },
+    );
+    every_node_holds(row, database, keys).await;
+    let runs = runs_at_once(row, &addrs).await;
+    let again = runs.values().filter(|times| times.len() > 1).count();
+    row.check(again == 0, || format!("{again} keys ran more than once"));
+
+    // Expiry: a ttl of 6 s, read through each node until the key runs anew.
+    let ttl = Duration::from_secs(6);
+    let mut early = Vec::new();
+    for (through, key) in [(0, "skew-ttl-1"), (1, "skew-ttl-3")] {
+        let headers = crate::scenarios::effect_headers(
+            key,
+            &[("x-ttl-ms", ttl.as_millis() as u64), ("x-lock-ms", 2000)],
+        );
+        let sent_at = Instant::now();
+        let first = post(&once, &addrs[0], "/effects", &headers, key.to_owned()).await?;
+        if first.status != 201 {
+            return Err(format!("{key}: {} {}", first.status, first.text()));
+        }
+        let anew = loop {
+            let answer = post(&once, &addrs[through], "/effects", &headers, key.to_owned()).await?;
+            if answer.status == 201 && !answer.replayed {
+                break sent_at.elapsed();
+            }
+            if sent_at.elapsed() > ttl * 3 {
+                return Err(format!("{key} never expired"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        early.push(anew);
+    }
+    let skew = Duration::from_secs(SKEW_SECS);
+    row.check(early[0] >= ttl, || {
+        format!(
+            "expired after {:?} through node 1, its ttl {ttl:?}",
+            early[0]
+        )
+    });
+    row.check(early[1] + skew >= ttl, || {
+        format!(
+            "expired after {:?} through node 3, earlier than its ttl less the skew",
+            early[1]
+        )
+    });
+    drop(instances);
+    row.note = format!(
+        "node 3 {ahead} ms ahead; a ttl of 6 s expired after {:.1} s through node 1, {:.1} s \
+         through node 3; {} s in all",
+        early[0].as_secs_f64(),
+        early[1].as_secs_f64(),
+        started.elapsed().as_secs()
+    );
+    Ok(())
 }

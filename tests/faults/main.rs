@@ -12,8 +12,9 @@
 //!                  # PostgreSQL under Patroni, failed over (opt-in: needs root and
 //!                  # the packages patroni, etcd-server and haproxy)
 //! IDEM_FAULTS_ONLY=galera cargo test --all-features --test faults
-//!                  # a Galera node killed mid-storm (opt-in: needs the cluster
-//!                  # that `bash .ci/galera` starts)
+//!                  # a Galera node killed mid-storm, and a node's clock 3 s
+//!                  # ahead (`galera-skew` alone) (opt-in: needs the cluster
+//!                  # that `bash .ci/galera` starts, and root)
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -159,6 +160,9 @@ async fn run() -> ExitCode {
     }
     if only.as_deref() == Some("galera") {
         timed(&mut rows, async { Some(galera::node_killed().await) }).await;
+    }
+    if matches!(only.as_deref(), Some("galera" | "galera-skew")) {
+        timed(&mut rows, async { Some(galera::clock_skewed().await) }).await;
     } else {
         eprintln!("galera: not run (IDEM_FAULTS_ONLY=galera runs it; needs `bash .ci/galera`)");
     }

@@ -12,7 +12,7 @@
 //! Prints `listening on http://ADDR` first.
 //!
 //! Routes: `POST /effects` and `POST /small` (headers `x-scope`, `x-lock-ms`,
-//! `x-wait-ms`, `x-sleep-ms`, `x-big` (response bytes); the body is the note
+//! `x-ttl-ms`, `x-wait-ms`, `x-sleep-ms`, `x-big` (response bytes); the body is the note
 //! written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes written
 //! more than once), `GET /started/{note}` (200 once a handler writing that note has
 //! made its write, 404 before), `GET /runs` (every run of the handler in this
@@ -135,6 +135,9 @@ async fn effect<DB: Effects>(
     let mut options = Options::new();
     if let n @ 1.. = number(&headers, "x-lock-ms") {
         options = options.lock(Duration::from_millis(n));
+    }
+    if let n @ 1.. = number(&headers, "x-ttl-ms") {
+        options = options.ttl(Duration::from_millis(n));
     }
     if let n @ 1.. = number(&headers, "x-wait-ms") {
         options = options.wait(Duration::from_millis(n));

@@ -384,15 +384,10 @@ async fn skewed_storm(row: &mut Row, database: &str, keys: u64) -> Result<(), St
             Err(error) => row.problems.push(error.to_string()),
         }
     }
-    row.check(
-        answered.values().filter(|n| **n == 2).count() as u64 == keys,
-        || {
-            format!(
-                "{} of {keys} keys answered 201 on both nodes",
-                answered.len()
-            )
-        },
-    );
+    let both = answered.values().filter(|n| **n == 2).count();
+    row.check(both as u64 == keys, || {
+        format!("{both} of {keys} keys answered 201 on both nodes")
+    });
     every_node_holds(row, database, keys).await;
     let runs = runs_at_once(row, &addrs).await;
     let again = runs.values().filter(|times| times.len() > 1).count();

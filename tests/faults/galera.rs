@@ -116,35 +116,58 @@ async fn every_node_holds(row: &mut Row, database: &str, keys: u64) {
     }
 }
 
-/// Every run of the handler, by note, from every instance (`GET /runs`); a key
-/// that ran twice at once is a problem of `row`'s.
-async fn runs_at_once(row: &mut Row, addrs: &[String]) -> BTreeMap<String, Vec<(u128, u128)>> {
-    let mut runs: BTreeMap<String, Vec<(u128, u128)>> = BTreeMap::new();
+/// One run of the handler: when it started and ended (µs), and whether its
+/// transaction committed.
+type Run = (u128, u128, bool);
+
+/// Every run of the handler, by note and in order, from every instance (`GET
+/// /runs`). Problems of `row`'s: a key that ran twice at once, and a key that
+/// ran again after a run that committed (a key runs again only after a run that
+/// was cut: its node died, or its transaction was aborted).
+async fn runs_at_once(row: &mut Row, addrs: &[String]) -> BTreeMap<String, Vec<Run>> {
+    let mut runs: BTreeMap<String, Vec<Run>> = BTreeMap::new();
     for addr in addrs {
         match crate::proc::get_json(addr, "/runs", None).await {
             Ok(serde_json::Value::Array(all)) => {
                 for run in all {
                     let note = run[0].as_str().unwrap_or_default().to_owned();
                     let (began, ended) = (run[1].as_u64(), run[2].as_u64());
-                    if let (Some(began), Some(ended)) = (began, ended) {
-                        runs.entry(note)
-                            .or_default()
-                            .push((u128::from(began), u128::from(ended)));
+                    let committed = run[3].as_bool();
+                    if let (Some(began), Some(ended), Some(committed)) = (began, ended, committed) {
+                        runs.entry(note).or_default().push((
+                            u128::from(began),
+                            u128::from(ended),
+                            committed,
+                        ));
                     }
                 }
             }
             other => row.problems.push(format!("runs from {addr}: {other:?}")),
         }
     }
-    let mut at_once = Vec::new();
+    let (mut at_once, mut after_commit) = (Vec::new(), Vec::new());
     for (note, times) in &mut runs {
         times.sort_unstable();
         if times.windows(2).any(|two| two[1].0 < two[0].1) {
             at_once.push(note.clone());
         }
+        if times
+            .iter()
+            .rev()
+            .skip(1)
+            .any(|(_, _, committed)| *committed)
+        {
+            after_commit.push(note.clone());
+        }
     }
     row.check(at_once.is_empty(), || {
         format!("{} keys run twice at once: {at_once:?}", at_once.len())
+    });
+    row.check(after_commit.is_empty(), || {
+        format!(
+            "{} keys ran again after a run that committed: {after_commit:?}",
+            after_commit.len()
+        )
     });
     runs
 }

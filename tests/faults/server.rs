@@ -16,15 +16,15 @@
 //! written), `GET /stats` (`{"effects":N,"doubles":M}`: rows, and notes written
 //! more than once), `GET /started/{note}` (200 once a handler writing that note has
 //! made its write, 404 before), `GET /runs` (every run of the handler in this
-//! process, whatever became of its transaction: `[[note, started µs, ended µs]]`,
-//! by the wall clock, which every process on the machine shares).
+//! process, whatever became of its transaction: `[[note, started µs, ended µs,
+//! committed]]`, by the wall clock, which every process on the machine shares).
 
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::ExitCode;
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
@@ -33,7 +33,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idem_axum::axum::IdempotentRequest;
-use idem_axum::{Backend, Idempotency, Options, Tx};
+use idem_axum::{Backend, Idempotency, Options, Outcome, Tx};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -45,9 +45,10 @@ pub const ROLE: &str = "IDEM_FAULTS_ROLE";
 /// this before it freezes or cuts an executor, so the fault lands mid-transaction.
 static STARTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
-/// Every run of the handler: note, and when it started and ended (µs since the
-/// Unix epoch).
-static RUNS: Mutex<Vec<(String, u128, u128)>> = Mutex::new(Vec::new());
+/// Every run of the handler: note, when it started and ended (µs since the Unix
+/// epoch), and whether its transaction committed (the request's outcome said
+/// executed or taken over).
+static RUNS: Mutex<Vec<(String, u128, u128, bool)>> = Mutex::new(Vec::new());
 
 fn now_us() -> u128 {
     std::time::SystemTime::now()
@@ -150,18 +151,25 @@ async fn effect<DB: Effects>(
         .unwrap_or("faults")
         .to_owned();
     let note = String::from_utf8_lossy(request.body()).into_owned();
-    request
+    // When the handler started and ended, if it ran: a run cut short (cancelled
+    // at its lock) ends when the request does.
+    let times: Arc<Mutex<(Option<u128>, Option<u128>)>> = Arc::default();
+    let run = Arc::clone(&times);
+    let noted = note.clone();
+    let response = request
         .run(&scope.clone(), options, move |mut tx| {
             Box::pin(async move {
-                let began = now_us();
-                let ran = |note: &str| {
-                    if let Ok(mut runs) = RUNS.lock() {
-                        runs.push((note.to_owned(), began, now_us()));
+                if let Ok(mut times) = run.lock() {
+                    times.0 = Some(now_us());
+                }
+                let ran = || {
+                    if let Ok(mut times) = run.lock() {
+                        times.1 = Some(now_us());
                     }
                 };
                 // Per scope: the same body under two scopes is two notes.
                 if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
-                    ran(&note);
+                    ran();
                     return database_error(&error);
                 }
                 if let Ok(mut started) = STARTED.lock() {
@@ -170,13 +178,23 @@ async fn effect<DB: Effects>(
                         .insert(note.clone());
                 }
                 tokio::time::sleep(sleep).await;
-                ran(&note);
+                ran();
                 let body =
                     serde_json::json!({ "scope": scope, "note": note, "pad": "x".repeat(big) });
                 (StatusCode::CREATED, body.to_string()).into_response()
             })
         })
-        .await
+        .await;
+    let committed = matches!(
+        response.extensions().get::<Outcome>(),
+        Some(Outcome::Executed | Outcome::TakenOver)
+    );
+    if let Ok((Some(began), ended)) = times.lock().map(|times| *times)
+        && let Ok(mut runs) = RUNS.lock()
+    {
+        runs.push((noted, began, ended.unwrap_or_else(now_us), committed));
+    }
+    response
 }
 
 async fn started(Path(note): Path<String>) -> StatusCode {

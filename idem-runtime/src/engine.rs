@@ -721,7 +721,8 @@ impl<DB: Backend> Idempotency<DB> {
         let repair = may_repair.then_some(claim.ttl_ms);
         let lock = Duration::from_millis(claim.lock_ms.unsigned_abs());
         // When the claim that took the key was sent: its lock runs from about
-        // then on the database's clock, however long its commit took.
+        // then on the database's clock, however long its commit took (a backend
+        // that sent it again, or read its lock later, says so: `Adopted`).
         let mut sent = Instant::now();
         let (adopted, takeover, claim) = match DB::idem_open(&mut conn, sql, id, claim).await {
             Ok(Opened::Claimed(tx)) => (Open::adopt(tx), false, claim),
@@ -783,9 +784,9 @@ impl<DB: Backend> Idempotency<DB> {
         metrics::claimed(began.elapsed(), endpoint);
         let _held = metrics::Held::new();
 
+        let claimed_at = adopted.lock_runs_from().unwrap_or(sent);
         let open = Open::new(conn, adopted, !self.inner().transaction_pooled);
         let waits = !options.wait_duration().is_zero();
-        let claimed_at = sent;
         let limit = self.response_limit();
         let cancelled = self.inner().lifecycle.cancelled();
         // The handler is cancelled when the claim's lock passes, not a lock after

@@ -49,9 +49,9 @@ pub(crate) struct Statements {
     /// Deletes a claim that was not recorded, if `lease` still holds it: scope,
     /// key, lease.
     pub(crate) release: Arc<str>,
-    /// A row when `lease` still holds the claim and its lock is ahead: the fence
-    /// a handler starts behind (scope, key, lease). The cluster mode's is its
-    /// ended mark (`mysql::cluster`).
+    /// The milliseconds left on the claim's lock, when `lease` still holds it and
+    /// its lock is ahead: the fence a handler starts behind (scope, key, lease).
+    /// The cluster mode's is its ended mark (`mysql::cluster`).
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) holds: Arc<str>,
     /// Milliseconds left until the key's claim may be taken over (its lock,
@@ -92,7 +92,7 @@ impl Statements {
             )
             .into(),
             holds: format!(
-                "SELECT 1 FROM {table} \
+                "SELECT {lock_left} FROM {table} \
                  WHERE {key} AND lease = ? AND state = 'processing' AND locked_until > {now}"
             )
             .into(),
@@ -167,10 +167,11 @@ where
     Ok(row)
 }
 
-/// Whether `lease` still holds (scope, key)'s claim with its lock ahead: a claim
-/// committed before the handler's transaction may have lost both in between
-/// (its process paused, its `BEGIN` kept waiting for a writer), and the handler
-/// must then not start beside the executor that took the key over.
+/// The milliseconds left on (scope, key)'s claim when `lease` still holds it
+/// with its lock ahead, else `None`: a claim committed before the handler's
+/// transaction may have lost both in between (its process paused, its `BEGIN`
+/// kept waiting for a writer), and the handler must then not start beside the
+/// executor that took the key over; when it does start, it has what is left.
 #[cfg(feature = "sqlite")]
 pub(crate) async fn holds<DB>(
     conn: &mut DB::Connection,
@@ -178,21 +179,22 @@ pub(crate) async fn holds<DB>(
     scope: &str,
     key: &str,
     lease: i64,
-) -> Result<bool, sqlx::Error>
+) -> Result<Option<i64>, sqlx::Error>
 where
     DB: Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'a> DB::Arguments: sqlx::IntoArguments<DB>,
     for<'e> &'e str: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
     for<'e> i64: sqlx::Encode<'e, DB> + sqlx::Type<DB>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
-    let row = sqlx::query(AssertSqlSafe(statements.holds.to_string()))
+    let left = sqlx::query_as::<_, (i64,)>(AssertSqlSafe(statements.holds.to_string()))
         .bind(scope)
         .bind(key)
         .bind(lease)
         .fetch_optional(conn)
         .await?;
-    Ok(row.is_some())
+    Ok(left.map(|(ms,)| ms))
 }
 
 /// Milliseconds left on the lock of the key's claim; `None` when it has none.

@@ -189,13 +189,17 @@ impl Driver for Sqlite {
         // would start the handler's snapshot before its first write (which then
         // fails if anyone wrote meanwhile): it is read just before.
         let immediate = sql.begin() == "BEGIN IMMEDIATE";
-        if !immediate && !fence(conn, sql, id, claim).await? {
-            let restore = format!("PRAGMA busy_timeout = {patience}");
-            sqlx::query(AssertSqlSafe(restore))
-                .execute(&mut *conn)
-                .await?;
-            Self::idem_finish(conn, sql, id, claim.lease, false).await?;
-            return Ok(None);
+        let mut left = None;
+        if !immediate {
+            left = fence(conn, sql, id, claim).await?;
+            if left.is_none() {
+                let restore = format!("PRAGMA busy_timeout = {patience}");
+                sqlx::query(AssertSqlSafe(restore))
+                    .execute(&mut *conn)
+                    .await?;
+                Self::idem_finish(conn, sql, id, claim.lease, false).await?;
+                return Ok(None);
+            }
         }
         // The busy timeout comes back in the same round trip as the `BEGIN`, which
         // must wait for the writer as configured; the savepoint goes with it. If
@@ -205,16 +209,23 @@ impl Driver for Sqlite {
             sql.begin()
         );
         let adopted = Open::adopt(conn.begin_with(AssertSqlSafe(begin)).await?);
+        let read = Instant::now();
         if immediate {
             let held = fence(conn, sql, id, claim).await;
-            if !matches!(held, Ok(true)) {
+            left = held.as_ref().ok().copied().flatten();
+            if left.is_none() {
                 <Sqlite as sqlx::Database>::TransactionManager::rollback(&mut *conn).await?;
                 held?;
                 Self::idem_finish(conn, sql, id, claim.lease, false).await?;
                 return Ok(None);
             }
         }
-        Ok(Some(adopted))
+        // The handler has what the lock has left, by the database's clock: its
+        // claim may have waited for the write lock (up to the busy timeout).
+        let lock = Duration::from_millis(claim.lock_ms.unsigned_abs());
+        let left = Duration::from_millis(left.unwrap_or(0).unsigned_abs());
+        let from = read.checked_sub(lock.saturating_sub(left)).unwrap_or(read);
+        Ok(Some(adopted.lock_from(from)))
     }
 
     async fn idem_begin(
@@ -490,13 +501,14 @@ async fn claim_row(
     outcome
 }
 
-/// Whether the claim still holds its key (`lease::holds`).
+/// What is left of the claim's lock while it still holds its key
+/// (`lease::holds`).
 async fn fence(
     conn: &mut SqliteConnection,
     sql: &Sql,
     id: &Identity<'_>,
     claim: Claim,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<i64>, sqlx::Error> {
     lease::holds::<Sqlite>(conn, &sql.lease, id.scope, id.key, claim.lease).await
 }
 

@@ -253,7 +253,7 @@ impl<DB: Database> Open<DB> {
     /// the guard is forgotten (it holds only a borrow of `conn`).
     pub(crate) fn adopt(tx: Transaction<'_, DB>) -> Adopted {
         std::mem::forget(tx);
-        Adopted(())
+        Adopted { lock_from: None }
     }
 
     /// The connection `adopt` left inside its transaction; `prepared`, whether
@@ -306,7 +306,26 @@ impl<DB: Database> Open<DB> {
 
 /// Proof that a transaction was handed to [`Open`]: sqlx counts it open on the
 /// connection, and its guard is gone.
-pub struct Adopted(());
+pub struct Adopted {
+    lock_from: Option<std::time::Instant>,
+}
+
+impl Adopted {
+    /// Says from when the claim's lock runs, on this process's clock, where the
+    /// backend knows it better than the engine (it sent its claim again, or held
+    /// it before the handler's transaction began).
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    pub(crate) fn lock_from(self, at: std::time::Instant) -> Self {
+        Self {
+            lock_from: Some(at),
+        }
+    }
+
+    /// From when the claim's lock runs, if the backend said.
+    pub(crate) fn lock_runs_from(&self) -> Option<std::time::Instant> {
+        self.lock_from
+    }
+}
 
 impl<DB: Database> Deref for Open<DB> {
     type Target = DB::Connection;

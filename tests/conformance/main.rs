@@ -755,10 +755,14 @@ async fn hung_executor_is_cancelled_at_its_lock<H: Harness>() {
 }
 
 /// §4.3, §4.5, I1: an executor that wakes after its lock cannot commit, while a
-/// retry that came after the lock completes; exactly one business row.
+/// retry that came after the lock completes; exactly one business row. The
+/// retry goes through another instance (on a cluster, another node: the late
+/// executor's commit then loses certification, or its record finds the row
+/// taken over).
 async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
     let Some(h) = start::<H>().await else { return };
     let app = router(&h);
+    let other = app::router_on::<H>(h.another_instance());
     let key = format!("k-late-{}", unique_suffix());
     let req = Req::post("alice", &key, BODY).header("x-lock-ms", 1000);
     let stalled = {
@@ -770,7 +774,7 @@ async fn late_executor_cannot_commit_after_takeover<H: Harness>() {
     await_started(&key).await;
     let takeover = h.takeover_after(Duration::from_millis(1000));
     tokio::time::sleep(takeover + Duration::from_millis(200)).await;
-    let retry = send(&app, &req).await;
+    let retry = send(&other, &req).await;
     if !H::STALLED_WRITER_BLOCKS_TAKEOVER {
         // The database ended the stalled executor's session at its lock, so the
         // retry took the key and finished while that executor was still asleep.

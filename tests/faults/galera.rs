@@ -83,6 +83,85 @@ async fn instances_on(ports: &[u16], database: &str) -> Result<Vec<Proc>, String
     Ok(instances)
 }
 
+/// One client's keys: what each got (attempts, or why not), and the answers of
+/// each instance that were failures (500, 503 or no answer).
+type Sent = (u64, Result<u32, String>, Vec<u32>);
+
+/// Sends keys `{prefix}-{k}` (a 200 ms handler under a 4 s lock), one every
+/// 20 ms so that a fault lands mid-storm, each through every instance at once;
+/// a client whose instance fails (its node died or was cut off: 503, or no
+/// answer) or is busy (409) tries the next one.
+fn storm(addrs: &[String], keys: u64, prefix: &'static str) -> JoinSet<Sent> {
+    let once = client(1);
+    let mut sent = JoinSet::new();
+    for k in 0..keys {
+        for start in 0..addrs.len() {
+            let (once, addrs) = (once.clone(), addrs.to_vec());
+            sent.spawn(async move {
+                tokio::time::sleep(Duration::from_millis(k * 20)).await;
+                let key = format!("{prefix}-{k}");
+                let headers = crate::scenarios::effect_headers(
+                    &key,
+                    &[("x-sleep-ms", 200), ("x-lock-ms", 4000)],
+                );
+                let mut failed = vec![0; addrs.len()];
+                let mut attempts: u32 = 0;
+                let mut through = start;
+                let deadline = Instant::now() + Duration::from_secs(90);
+                while Instant::now() < deadline {
+                    attempts += 1;
+                    let answer =
+                        post(&once, &addrs[through], "/effects", &headers, key.clone()).await;
+                    match answer {
+                        Ok(answer) if answer.status == 201 => return (k, Ok(attempts), failed),
+                        Ok(answer) if answer.status == 409 => {}
+                        Ok(answer) if matches!(answer.status, 500 | 503) => failed[through] += 1,
+                        Ok(answer) => {
+                            let problem = format!("{} {}", answer.status, answer.text());
+                            return (k, Err(problem), failed);
+                        }
+                        Err(_) => failed[through] += 1,
+                    }
+                    through = (through + 1) % addrs.len();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                (k, Err("never answered 201 within 90 s".to_owned()), failed)
+            });
+        }
+    }
+    sent
+}
+
+/// The storm's answers: how many clients of each key got a 201, and each
+/// instance's failures; requests and problems go to `row`.
+async fn collect(
+    row: &mut Row,
+    mut sent: JoinSet<Sent>,
+    prefix: &str,
+) -> (BTreeMap<u64, u32>, Vec<u32>) {
+    let mut answered: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut failed = Vec::new();
+    while let Some(joined) = sent.join_next().await {
+        match joined {
+            Ok((k, got, failures)) => {
+                failed.resize(failures.len().max(failed.len()), 0);
+                for (sum, n) in failed.iter_mut().zip(failures) {
+                    *sum += n;
+                }
+                match got {
+                    Ok(attempts) => {
+                        row.requests += u64::from(attempts);
+                        *answered.entry(k).or_default() += 1;
+                    }
+                    Err(problem) => row.problems.push(format!("{prefix}-{k}: {problem}")),
+                }
+            }
+            Err(error) => row.problems.push(error.to_string()),
+        }
+    }
+    (answered, failed)
+}
+
 /// What every node holds: one effect per key, every key completed, no claim
 /// left behind.
 async fn every_node_holds(row: &mut Row, database: &str, keys: u64) {
@@ -196,41 +275,7 @@ pub async fn node_killed() -> Row {
     let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
 
     let started = Instant::now();
-    let once = client(1);
-    let mut sent = JoinSet::new();
-    for k in 0..keys {
-        for start in 0..NODES.len() {
-            let (once, addrs) = (once.clone(), addrs.clone());
-            sent.spawn(async move {
-                // Spread over the run, so that the kill lands mid-storm.
-                tokio::time::sleep(Duration::from_millis(k * 20)).await;
-                let key = format!("galera-{k}");
-                let headers = crate::scenarios::effect_headers(
-                    &key,
-                    &[("x-sleep-ms", 200), ("x-lock-ms", 4000)],
-                );
-                let mut attempts: u32 = 0;
-                let mut through = start;
-                let deadline = Instant::now() + Duration::from_secs(90);
-                while Instant::now() < deadline {
-                    attempts += 1;
-                    let answer =
-                        post(&once, &addrs[through], "/effects", &headers, key.clone()).await;
-                    match answer {
-                        Ok(answer) if answer.status == 201 => return (k, Ok(attempts)),
-                        Ok(answer) if matches!(answer.status, 409 | 500 | 503) => {}
-                        Ok(answer) => {
-                            return (k, Err(format!("{} {}", answer.status, answer.text())));
-                        }
-                        Err(_) => {}
-                    }
-                    through = (through + 1) % addrs.len();
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                (k, Err("never answered 201 within 90 s".to_owned()))
-            });
-        }
-    }
+    let sent = storm(&addrs, keys, "galera");
     // Mid-storm: the second node dies at once, as a machine does.
     tokio::time::sleep(Duration::from_millis(keys * 20 / 2)).await;
     let pid = std::fs::read_to_string(dir.join(format!("node{}", KILLED + 1)).join("mysqld.pid"))
@@ -254,17 +299,7 @@ pub async fn node_killed() -> Row {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status();
 
-    let mut answered: BTreeMap<u64, u32> = BTreeMap::new();
-    while let Some(joined) = sent.join_next().await {
-        match joined {
-            Ok((k, Ok(attempts))) => {
-                row.requests += u64::from(attempts);
-                *answered.entry(k).or_default() += 1;
-            }
-            Ok((k, Err(problem))) => row.problems.push(format!("galera-{k}: {problem}")),
-            Err(error) => row.problems.push(error.to_string()),
-        }
-    }
+    let (answered, _) = collect(&mut row, sent, "galera").await;
     match rejoin.await {
         Ok(status) if status.success() => {}
         other => row
@@ -463,4 +498,132 @@ async fn skewed_storm(row: &mut Row, database: &str, keys: u64) -> Result<(), St
         started.elapsed().as_secs()
     );
     Ok(())
+}
+
+/// The node cut off: the third.
+const CUT: usize = 2;
+
+/// Node 3 cut off from the other two by a packet filter (`.ci/galera partition
+/// 3`) mid-storm, with instances on all three nodes, then let back: the cut-off
+/// node goes non-primary and refuses queries, so requests through it get 503 and
+/// their clients' retries through another node succeed. Once the partition has
+/// healed and the node has rejoined: every key answered 201 on every client, one
+/// effect per key on every node, every key completed (none stuck), no key run
+/// twice at once, nor again after a run that committed.
+pub async fn partitioned() -> Row {
+    let mut row = Row::new("Galera node cut off (partition)", Backend::MySql);
+    let database = format!("idem_faults_partition_{}", std::process::id());
+    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
+        600
+    } else {
+        300
+    };
+    let mut first = match create_database(&database).await {
+        Ok(conn) => conn,
+        Err(error) => return row.failed(error),
+    };
+    let instances = match instances_on(&NODES, &database).await {
+        Ok(instances) => instances,
+        Err(error) => return row.failed(error),
+    };
+    let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
+    let started = Instant::now();
+    let sent = storm(&addrs, keys, "cut");
+    // A second in, node 3 is cut off; what it says of itself once it knows.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cut_at = started.elapsed();
+    if let Err(error) = galera_cli(&["partition", &(CUT + 1).to_string()]) {
+        row.problems.push(error);
+    }
+    let mut status = String::new();
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        let read = on_cut_node("SHOW STATUS LIKE 'wsrep_cluster_status'").await;
+        if let Ok(Some(now)) = read {
+            status = now;
+            if status == "non-Primary" {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = refuses_queries().await;
+    let non_primary_at = started.elapsed();
+    // Cut for a few seconds more, while the storm goes on through the others.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let healed_at = started.elapsed();
+    if let Err(error) = galera_cli(&["heal"]) {
+        row.problems.push(error);
+    }
+    let (answered, failed) = collect(&mut row, sent, "cut").await;
+    // Rejoined and synced (IST) before its data is read.
+    let rejoined = tokio::process::Command::new("bash")
+        .args([".ci/galera", "node-synced", &(CUT + 1).to_string()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .await;
+    row.check(matches!(rejoined, Ok(s) if s.success()), || {
+        format!("node {} did not rejoin: {rejoined:?}", CUT + 1)
+    });
+    row.check(status == "non-Primary", || {
+        format!("node {} said it was {status:?} while cut off", CUT + 1)
+    });
+    row.check(refused.is_ok(), || format!("node {} {refused:?}", CUT + 1));
+    row.check(failed.get(CUT).is_some_and(|n| *n > 0), || {
+        format!(
+            "no request through node {} failed while it was cut off: {failed:?}",
+            CUT + 1
+        )
+    });
+    row.check(
+        answered.len() as u64 == keys && answered.values().all(|n| *n == 3),
+        || {
+            format!(
+                "{} of {keys} keys answered 201 on every client",
+                answered.len()
+            )
+        },
+    );
+    every_node_holds(&mut row, &database, keys).await;
+    let runs = runs_at_once(&mut row, &addrs).await;
+    let again = runs.values().filter(|times| times.len() > 1).count();
+    drop(instances);
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE {database}")))
+        .execute(&mut first)
+        .await;
+    row.note = format!(
+        "{keys} keys x 3 instances on 3 nodes; node 3 cut off at {:.1} s, non-primary by \
+         {:.1} s, let back at {:.1} s; failed answers per instance {failed:?}; {again} keys \
+         run again after a cut run; {} s in all",
+        cut_at.as_secs_f64(),
+        non_primary_at.as_secs_f64(),
+        healed_at.as_secs_f64(),
+        started.elapsed().as_secs()
+    );
+    row
+}
+
+/// A status line of the cut-off node, read without waiting for the cluster (a
+/// non-primary node answers `SHOW STATUS`, and nothing that reads data).
+async fn on_cut_node(sql: &str) -> Result<Option<String>, String> {
+    let mut conn = node(NODES[CUT]).await?;
+    let rows: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(sql.to_owned()))
+        .fetch_all(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(rows.into_iter().next().map(|(_, value)| value))
+}
+
+/// The cut-off node refuses a read of data: 1047, "WSREP has not yet prepared
+/// node for application use".
+async fn refuses_queries() -> Result<(), String> {
+    let mut conn = node(NODES[CUT]).await?;
+    match sqlx::raw_sql("SELECT COUNT(*) FROM mysql.user")
+        .fetch_all(&mut conn)
+        .await
+    {
+        Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("08S01") => Ok(()),
+        Err(error) => Err(format!("refused a read with another error: {error}")),
+        Ok(_) => Err("answered a read while cut off".to_owned()),
+    }
 }

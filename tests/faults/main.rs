@@ -12,9 +12,10 @@
 //!                  # PostgreSQL under Patroni, failed over (opt-in: needs root and
 //!                  # the packages patroni, etcd-server and haproxy)
 //! IDEM_FAULTS_ONLY=galera cargo test --all-features --test faults
-//!                  # a Galera node killed mid-storm, and a node's clock 3 s
-//!                  # ahead (`galera-skew` alone) (opt-in: needs the cluster
-//!                  # that `bash .ci/galera` starts, and root)
+//!                  # a Galera node killed mid-storm, a node cut off by a
+//!                  # partition (`galera-partition` alone) and a node's clock
+//!                  # 3 s ahead (`galera-skew` alone) (opt-in: needs the
+//!                  # cluster that `bash .ci/galera` starts, and root)
 //! ```
 //!
 //! Each scenario runs on PostgreSQL, MySQL/MariaDB and SQLite, each in a database of
@@ -161,9 +162,16 @@ async fn run() -> ExitCode {
     if only.as_deref() == Some("galera") {
         timed(&mut rows, async { Some(galera::node_killed().await) }).await;
     }
+    if matches!(only.as_deref(), Some("galera" | "galera-partition")) {
+        timed(&mut rows, async { Some(galera::partitioned().await) }).await;
+    }
     if matches!(only.as_deref(), Some("galera" | "galera-skew")) {
         timed(&mut rows, async { Some(galera::clock_skewed().await) }).await;
-    } else {
+    }
+    if !only
+        .as_deref()
+        .is_some_and(|only| only.starts_with("galera"))
+    {
         eprintln!("galera: not run (IDEM_FAULTS_ONLY=galera runs it; needs `bash .ci/galera`)");
     }
     for scenario in [

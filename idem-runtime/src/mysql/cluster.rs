@@ -286,12 +286,14 @@ pub(super) async fn open<'c>(
     let deadline = Instant::now() + BUSY_PATIENCE;
     let mut pause = Duration::from_millis(1);
     loop {
+        // The lock runs from the text's start (`session_text`), this attempt's.
+        let sent = Instant::now();
         // Adopted at once, so that the connection is free for the lost arm.
         let begun = sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(text.as_str()))
             .await
             .map(Open::adopt);
         let error = match begun {
-            Ok(adopted) => return Ok(Opened::Adopted(adopted)),
+            Ok(adopted) => return Ok(Opened::Adopted(adopted.lock_from(sent))),
             Err(error) if lost(&error) => error,
             Err(error) => return Err(error),
         };
@@ -316,6 +318,7 @@ async fn open_stalled<'c>(
     hold: crate::backend::StallHold,
 ) -> Result<Opened<'c, MySql>, sqlx::Error> {
     let text = insert_text(sql, cluster, id, claim);
+    let sent = Instant::now();
     match sqlx::raw_sql(AssertSqlSafe(text)).execute(&mut *conn).await {
         Ok(_) => {}
         Err(error) if lost(&error) => {
@@ -325,7 +328,7 @@ async fn open_stalled<'c>(
         Err(error) => return Err(error),
     }
     stall(conn, hold).await?;
-    begin_fenced(conn, sql, cluster, id, claim).await
+    begin_fenced(conn, sql, cluster, id, claim, sent).await
 }
 
 /// Holds a committed claim's session as a stalled commit would: busy, so that
@@ -346,14 +349,16 @@ async fn stall(
     Ok(())
 }
 
-/// The handler's transaction after a claim committed in a round trip of its own:
-/// `Adopted` behind its fence (`begin_text`), else what the key holds now.
+/// The handler's transaction after a claim committed in a round trip of its own
+/// (sent at `sent`, when its lock began to run): `Adopted` behind its fence
+/// (`begin_text`), else what the key holds now.
 async fn begin_fenced<'c>(
     conn: &'c mut MySqlConnection,
     sql: &'c super::Sql,
     cluster: &'c Sql,
     id: &'c Identity<'c>,
     claim: Claim,
+    sent: Instant,
 ) -> Result<Opened<'c, MySql>, sqlx::Error> {
     let begin = begin_text(sql, id, claim);
     // Adopted at once, so that the connection is free for the fenced arm.
@@ -361,7 +366,7 @@ async fn begin_fenced<'c>(
         .await
         .map(Open::adopt);
     match begun {
-        Ok(adopted) => Ok(Opened::Adopted(adopted)),
+        Ok(adopted) => Ok(Opened::Adopted(adopted.lock_from(sent))),
         Err(error) if error_number(&error) == Some(1690) => {
             let found = read(conn, sql, cluster, id, claim.lease).await?;
             Ok(found.map_or(Opened::Lost, Opened::Found))
@@ -397,6 +402,7 @@ pub(super) async fn take_over<'c>(
         set.join(", "),
         key_filter(id),
     );
+    let sent = Instant::now();
     match sqlx::raw_sql(AssertSqlSafe(text)).execute(&mut *conn).await {
         Ok(_) => {}
         Err(error) if lost(&error) => {
@@ -409,10 +415,12 @@ pub(super) async fn take_over<'c>(
     if let Some(hold) = sql.stall.take() {
         stall(conn, hold).await?;
     }
-    Ok(match begin_fenced(conn, sql, cluster, id, claim).await? {
-        Opened::Adopted(adopted) => Some(adopted),
-        _ => None,
-    })
+    Ok(
+        match begin_fenced(conn, sql, cluster, id, claim, sent).await? {
+            Opened::Adopted(adopted) => Some(adopted),
+            _ => None,
+        },
+    )
 }
 
 /// After a claim lost: rolls back what it began, reads what is stored (waiting for

@@ -115,12 +115,14 @@
 //! | `idem_record_duration_seconds` | histogram | `endpoint` | recording the response and committing, after the handler |
 //! | `idem_claims_in_flight` | gauge | | claims this process holds now |
 //! | `idem_sweep_deleted_total` | counter | | expired keys the sweeper deleted |
+//! | `idem_plain_replays_total` | counter | | records in plain text replayed by a store with a key ring (`Sealing::OpensSealed` or `SealsNew`, while sealing turns on or off) |
 //!
 //! `endpoint` is the method and the matched route (`POST /payments/{id}`), so that
 //! it takes few values; see [`RequestIdentity::with_endpoint`] when calling the
 //! engine by hand. Logs go through `tracing`: one span a request at DEBUG, named
 //! `idem`, with its method, path, key, and once answered its outcome and status;
-//! INFO for a takeover, WARN for a lost lease, a store error or a cancelled run.
+//! INFO for a takeover and for a record replayed in plain text by a store with a
+//! key ring, WARN for a lost lease, a store error or a cancelled run.
 //!
 //! # Backends
 //!

@@ -27,7 +27,7 @@ use crate::multipart::InvalidMultipart;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
-use crate::seal::{Plain, SealError, Sealed, Unreadable, sealed_by};
+use crate::seal::{Plain, SealError, Sealed, Sealing, Unreadable, sealed_by};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 use crate::tx::{Open, Tx};
@@ -1121,6 +1121,15 @@ impl<DB: Backend> Idempotency<DB> {
         if let Some(unreadable) = found.unreadable {
             return Decision::Answer(Outcome::RecordUnreadable, self.unreadable(unreadable, id));
         }
+        if let Sealing::On(ring) = &self.inner().sealing
+            && !found.completed
+            && !ring.keyed(&found.fingerprint)
+            && !found.same_body(id, None)
+        {
+            // A claim in flight keyed under a key this ring lacks: whether it
+            // is this request cannot be told, and it is in flight either way.
+            return Decision::InFlight;
+        }
         if let Some(differs) = found.differs(id, self.inner().sealing.ring()) {
             // Which part differs, never what the first request held: the key may
             // be another client's, guessed.
@@ -1182,13 +1191,35 @@ impl<DB: Backend> Idempotency<DB> {
     /// `unreadable` with why it is refused. Claims and ended marks hold no
     /// response and pass as they are.
     fn readable(&self, mut found: Found, id: &Identity<'_>) -> Found {
-        if !found.completed || found.ended() {
+        if !found.completed {
             return found;
         }
         let sealing = &self.inner().sealing;
+        if let Sealing::On(ring) = sealing
+            && !ring.keyed(&found.fingerprint)
+            && !found.same_body(id, None)
+        {
+            // Keyed under a key that left the ring (a transaction-ended row,
+            // which `reseal` cannot key anew, outlived it): never "another body",
+            // which would invite the client to pay again under a new key.
+            found.unreadable = Some(Unreadable::UnknownFingerprint);
+            return found;
+        }
+        if found.ended() {
+            return found;
+        }
         let body = found.body.as_deref().unwrap_or_default();
         let why = match (found.sealed(), sealing.ring()) {
-            (false, _) if sealing.opens_plain() => return found,
+            (false, Some(ring)) if ring.keyed(&found.fingerprint) => Unreadable::Downgraded,
+            (false, ring) if sealing.opens_plain() => {
+                if ring.is_some() {
+                    // Turning sealing on or off: expected until the longest ttl
+                    // has passed, and worth seeing.
+                    tracing::info!(scope = id.scope, key = id.key, "replayed in plain text");
+                    metrics::plain_replayed();
+                }
+                return found;
+            }
             (false, _) => Unreadable::Plain,
             (true, None) => Unreadable::Sealed(sealed_by(body)),
             (true, Some(ring)) => {

@@ -32,6 +32,14 @@ pub(crate) fn recorded(took: Duration, endpoint: &str) {
     let _ = (took, endpoint);
 }
 
+/// A record in plain text replayed by a store that has a key ring (turning
+/// sealing on or off): each is counted, so that an operator sees when none are
+/// left before the next step, and sees one that should not be there.
+pub(crate) fn plain_replayed() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idem_plain_replays_total").increment(1);
+}
+
 /// Rows the sweeper deleted.
 pub(crate) fn swept(rows: u64) {
     #[cfg(feature = "metrics")]

@@ -357,6 +357,15 @@ impl KeyRing {
         stored
     }
 
+    /// Whether a key of this ring keyed `stored`: its first 8 bytes are the id of
+    /// one (an unkeyed SHA-256 begins so by chance once in 2^64).
+    pub(crate) fn keyed(&self, stored: &[u8]) -> bool {
+        stored.len() == 32
+            && stored
+                .first_chunk::<ID_LEN>()
+                .is_some_and(|id| self.key(KeyId(*id)).is_some())
+    }
+
     /// Whether `stored`, a fingerprint this ring wrote under any of its keys,
     /// is that of `digest`; `None` when no key of the ring wrote it (an unkeyed
     /// fingerprint, or one keyed under a key that has left).
@@ -609,6 +618,14 @@ pub(crate) enum Unreadable {
     Sealed(Option<KeyId>),
     /// Sealed, and it does not open with the store's ring.
     Unsealable(Unsealable),
+    /// In plain text under a fingerprint a key of the ring keyed: only a store
+    /// that seals keys fingerprints, and it records sealed. The row was
+    /// rewritten (a sealed record replaced by a plain one, its fingerprint kept).
+    Downgraded,
+    /// Its fingerprint is no unkeyed digest of this request's body and was keyed
+    /// by no key of the ring ([`Sealing::On`]): keyed under a key that has left,
+    /// so whether the request is the one recorded cannot be told.
+    UnknownFingerprint,
 }
 
 impl fmt::Display for Unreadable {
@@ -634,6 +651,13 @@ impl fmt::Display for Unreadable {
                 f,
                 "the record does not open under key {id}: it was changed, or copied from \
                  another row"
+            ),
+            Self::Downgraded => f.write_str(
+                "the record is in plain text under a keyed fingerprint, which only a sealing \
+                 store writes: the row was rewritten",
+            ),
+            Self::UnknownFingerprint => f.write_str(
+                "the record's fingerprint was keyed under a key the key ring no longer holds",
             ),
         }
     }

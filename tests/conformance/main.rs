@@ -86,7 +86,8 @@ use realistic::{
     storms_over_two_instances_execute_each_key_once,
 };
 use sealing::{
-    changed_records_are_never_replayed, reseal_lets_an_old_key_leave_the_ring,
+    changed_records_are_never_replayed, downgraded_records_are_never_replayed,
+    fingerprints_of_a_retired_key_are_never_another_body, reseal_lets_an_old_key_leave_the_ring,
     rotation_keeps_every_key_answered, sealed_records_replay_and_hold_no_plaintext,
     sealing_turns_on_and_off_without_losing_keys,
 };
@@ -1417,4 +1418,6 @@ conformance!(
     changed_records_are_never_replayed,
     sealing_turns_on_and_off_without_losing_keys,
     reseal_lets_an_old_key_leave_the_ring,
+    downgraded_records_are_never_replayed,
+    fingerprints_of_a_retired_key_are_never_another_body,
 );

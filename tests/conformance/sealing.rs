@@ -454,3 +454,166 @@ pub async fn reseal_lets_an_old_key_leave_the_ring<H: Harness>() {
     );
     h.finish().await;
 }
+
+/// The process's Prometheus text: a recorder installed once for the whole run,
+/// so counts only grow, whichever test moves them.
+fn metrics_text() -> String {
+    static HANDLE: std::sync::OnceLock<Option<metrics_exporter_prometheus::PrometheusHandle>> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .ok()
+        })
+        .as_ref()
+        .expect("the only metrics recorder of the run")
+        .render()
+}
+
+/// `idem_plain_replays_total` as the recorder has it now.
+fn plain_replays() -> u64 {
+    metrics_text()
+        .lines()
+        .find_map(|line| line.strip_prefix("idem_plain_replays_total "))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Someone who can write the table replaces a sealed record with one in plain
+/// text of their own (status, headers, body), keeping its keyed fingerprint, so
+/// that the client's genuine retry would match: no store with a key ring replays
+/// it, at any step of the ladder, and the key does not run again. A record that
+/// was written in plain text (an unkeyed fingerprint) is still replayed while
+/// sealing turns on or off, and each such replay is counted.
+pub async fn downgraded_records_are_never_replayed<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    // Installed before the first replay, so that none goes uncounted.
+    let before = plain_replays();
+    let writers = [
+        ("seals new", instance(&h, Sealing::SealsNew(ring(A)))),
+        ("on", instance(&h, Sealing::On(ring(A)))),
+    ];
+    let readers = [
+        ("opens sealed", instance(&h, Sealing::OpensSealed(ring(A)))),
+        ("seals new", instance(&h, Sealing::SealsNew(ring(A)))),
+        ("on", instance(&h, Sealing::On(ring(A)))),
+    ];
+    for (writer, store) in &writers {
+        let key = format!("k-{}", writer.replace(' ', "-"));
+        let first = send(store, &Req::post("alice", &key, BODY)).await;
+        assert_eq!(first.status, 201, "{}", first.text());
+        let rows = h.key_rows("alice").await;
+        let sealed = rows
+            .into_iter()
+            .find(|(k, _)| *k == key)
+            .expect("its row")
+            .1;
+        assert_sealed(&sealed, A);
+        let forged = KeyRow {
+            status: Some(200),
+            headers: Some(b"content-type: application/json\r\n".to_vec()),
+            body: Some(br#"{"refund":"to the attacker"}"#.to_vec()),
+            ..sealed.clone()
+        };
+        h.rewrite_row("alice", &key, &forged).await;
+        for (reader, store) in &readers {
+            let got = send(store, &Req::post("alice", &key, BODY)).await;
+            assert!(
+                unreadable(&got),
+                "written by {writer}, forged, read by {reader}: {} {}",
+                got.status,
+                got.text()
+            );
+            assert!(!contains(&got.body, b"attacker"));
+        }
+        h.rewrite_row("alice", &key, &sealed).await;
+        for (reader, store) in &readers {
+            let got = send(store, &Req::post("alice", &key, BODY)).await;
+            assert_eq!(got.body, first.body, "{key} put back, read by {reader}");
+        }
+    }
+    // Written in plain text by a store without a ring: replayed by the two steps
+    // that read plain text, each replay counted; refused by `On`.
+    let plain = instance(&h, Sealing::Off);
+    let first = send(&plain, &Req::post("alice", "k-plain", BODY)).await;
+    assert_eq!(first.status, 201);
+    for (reader, store) in &readers[..2] {
+        let got = send(store, &Req::post("alice", "k-plain", BODY)).await;
+        assert_eq!(got.body, first.body, "read by {reader}");
+    }
+    assert!(unreadable(
+        &send(&readers[2].1, &Req::post("alice", "k-plain", BODY)).await
+    ));
+    assert!(
+        plain_replays() >= before + 2,
+        "plain replays counted: {before} then {}",
+        plain_replays()
+    );
+    assert_eq!(h.effects("alice").await, 3, "no key ran twice");
+    h.finish().await;
+}
+
+/// A key's writes committed but its handler ended the transaction itself: the
+/// row holds no response (a completed 500 without a body, `transaction-ended`)
+/// and a fingerprint keyed under the key that was newest, which `reseal` cannot
+/// key anew (no record carries the body's digest). Once that key has left the
+/// ring, a retry is never told "another body, nothing ran" (which would invite its
+/// client to pay again under a new key): 500 `record-unreadable`, and the key does
+/// not run. A claim in flight keyed under a key the ring lacks is in flight, not
+/// another body.
+pub async fn fingerprints_of_a_retired_key_are_never_another_body<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let old = instance(&h, Sealing::On(ring(B)));
+    let first = send(&old, &Req::post("alice", "k-ended", BODY)).await;
+    assert_eq!(first.status, 201);
+    // What a transaction ended behind idem's back leaves, as the table holds it.
+    let rows = h.key_rows("alice").await;
+    let recorded = rows
+        .into_iter()
+        .find(|(k, _)| k == "k-ended")
+        .expect("its row")
+        .1;
+    assert_eq!(
+        recorded.fingerprint[..8],
+        id_of(B),
+        "keyed under the old key"
+    );
+    let ended = KeyRow {
+        status: Some(500),
+        headers: None,
+        body: None,
+        ..recorded
+    };
+    h.rewrite_row("alice", "k-ended", &ended).await;
+    let effects = h.effects("alice").await;
+
+    let rotated = instance(&h, Sealing::On(ring(&format!("{A},{B}"))));
+    let replay = send(&rotated, &Req::post("alice", "k-ended", BODY)).await;
+    assert_eq!(replay.status, 500, "{}", replay.text());
+    assert_eq!(replay.problem().as_deref(), Some("transaction-ended"));
+    let other = send(&rotated, &Req::post("alice", "k-ended", "another body")).await;
+    assert_eq!(other.status, 422, "still told apart: {}", other.text());
+
+    let removed = instance(&h, Sealing::On(ring(A)));
+    for body in [BODY, "another body"] {
+        let got = send(&removed, &Req::post("alice", "k-ended", body)).await;
+        assert!(unreadable(&got), "{body}: {} {}", got.status, got.text());
+    }
+    // A claim in flight, keyed under the old key, held at a gate.
+    let key = format!("k-live-{}", crate::unique_suffix());
+    let held = {
+        let (old, req) = (
+            old.clone(),
+            Req::post("alice", &key, BODY).header("x-gate", &key),
+        );
+        tokio::spawn(async move { send(&old, &req).await })
+    };
+    crate::await_started(&key).await;
+    let got = send(&removed, &Req::post("alice", &key, BODY)).await;
+    crate::app::open_gate(&key);
+    assert_eq!(got.status, 409, "in flight: {}", got.text());
+    assert_eq!(held.await.expect("the held request").status, 201);
+    assert_eq!(h.effects("alice").await, effects + 1, "nothing ran again");
+    h.finish().await;
+}

@@ -14,7 +14,7 @@
 //! `PROVIDER_DATABASE_URL` (where the fake provider keeps its charges, a database of
 //! the same kind; default `DATABASE_URL`, or on SQLite a file beside it: a provider
 //! is another company's system, and a failover of yours does not take its charges),
-//! `PAYMENTS_SEAL_KEYS` (a key ring: standard base64 of 32-byte keys, newest first,
+//! `PAYMENTS_SEAL_KEYS` (a key ring: standard base64 of 32-byte keys, the sealing key first,
 //! separated by commas; recorded answers are then sealed at rest, see
 //! `idem_axum::Sealing`; a malformed ring stops the start).
 //!
@@ -386,7 +386,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let latency = Duration::from_millis(latency);
     let provider_url = std::env::var("PROVIDER_DATABASE_URL").ok();
     // Recorded answers hold card details: sealed at rest when a key ring is given
-    // (standard base64 of 32-byte keys, newest first, separated by commas). A
+    // (standard base64 of 32-byte keys, the sealing key first, separated by commas). A
     // malformed ring stops the start, never runs unsealed.
     let sealing = match std::env::var("PAYMENTS_SEAL_KEYS") {
         Ok(keys) => Sealing::On(

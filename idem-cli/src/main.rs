@@ -5,7 +5,7 @@
 //! idem show --scope user-7 order-42      # one key's record in one scope
 //! idem forget --scope user-7 order-42    # its next request runs again
 //! idem sweep --batch 500                 # delete expired keys now
-//! IDEM_SEAL_KEYS=... idem reseal         # sealed records under the ring's newest key
+//! IDEM_SEAL_KEYS=... idem reseal         # sealed records under the ring's first key
 //! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
 //! idem migration postgres > migrations/20261201_idempotency_keys.sql
 //! idem migration --since 1 postgres      # only what came after your first one
@@ -15,7 +15,7 @@
 //! the current directory or one above it, read as sqlx-cli reads it (`dotenvy`).
 //! A key ring, for stores that seal their records, comes from `IDEM_SEAL_KEYS` or
 //! the file `--seal-keys-file` names (never from the command line, which other
-//! users of the machine can read): standard base64 of 32-byte keys, newest first,
+//! users of the machine can read): standard base64 of 32-byte keys, the sealing key first,
 //! separated by commas, as `KeyRing::from_base64` reads it; a file's one trailing
 //! newline is dropped.
 //! Exit status: 0 done; 1 failed (the database could not be reached or refused, or
@@ -127,11 +127,11 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         pause: u64,
     },
-    /// Seal stored records anew under the key ring's newest key.
+    /// Seal stored records anew under the key ring's first key.
     ///
-    /// After a rotation (the new key first in the ring, the old ones after it):
-    /// every completed record is sealed anew, and its fingerprint keyed anew,
-    /// under the newest key: read in batches that lock nothing, each written back
+    /// After a rotation (the new key promoted first in the ring, the old ones
+    /// after it): every completed record is sealed anew, and its fingerprint
+    /// keyed anew, under the first key: read in batches that lock nothing, each written back
     /// in one short transaction, beside the running service. Once it has caught up, with no record
     /// left unreadable, the old keys can leave the ring. Needs the ring
     /// (`IDEM_SEAL_KEYS` or `--seal-keys-file`).
@@ -390,7 +390,7 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         return Ok(out);
     }
     let ring = key_ring(seal_keys_file.as_deref())?;
-    // `reseal` writes under the ring's newest key; every other command only opens.
+    // `reseal` writes under the ring's first key; every other command only opens.
     let sealing = match (ring, &command) {
         (Some(ring), Command::Reseal { .. }) => Sealing::On(ring),
         (Some(ring), _) => Sealing::OpensSealed(ring),
@@ -771,8 +771,8 @@ async fn reseal<DB: Backend>(store: &Idempotency<DB>, settings: Reseal) -> Resul
         );
     } else {
         out.push_str(
-            "caught up: once no claim in flight is older than the newest key, the older keys \
-             can leave the ring\n",
+            "caught up: once no claim in flight is older than the first key's promotion, the \
+             other keys can leave the ring\n",
         );
     }
     Ok(out)

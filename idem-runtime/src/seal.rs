@@ -117,9 +117,15 @@ impl RingKey {
     }
 }
 
-/// The keys that seal recorded responses and key fingerprints, newest first:
-/// the first seals and keys what is written now, every one opens and matches
-/// what it wrote before.
+/// The keys that seal recorded responses and key fingerprints: the first seals
+/// and keys what is written now, every one opens and matches what it wrote
+/// before.
+///
+/// A rotation across instances that restart one by one takes two steps, so that
+/// no instance meets a record sealed under a key it does not hold: add the new
+/// key last (`OLD,NEW`: it opens and matches, `OLD` still seals) on every
+/// instance, then promote it (`NEW,OLD`), then, once `reseal` has caught up,
+/// remove `OLD` (`docs/runbook.md`, "Rotating the sealing key").
 ///
 /// Keys come from the application (a secret store, the environment): raw
 /// 32-byte keys from a cryptographic generator, in bytes or in base64. A ring
@@ -129,7 +135,7 @@ impl RingKey {
 /// use idem_runtime::KeyRing;
 ///
 /// // Example keys only: make your own with `openssl rand -base64 32`.
-/// // Newest first, separated by commas.
+/// // The sealing key first, separated by commas.
 /// let ring = KeyRing::from_base64(
 ///     "3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=,AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=",
 /// )?;
@@ -172,7 +178,7 @@ impl fmt::Display for KeyRingError {
 impl std::error::Error for KeyRingError {}
 
 impl KeyRing {
-    /// A ring of raw 32-byte keys, newest first.
+    /// A ring of raw 32-byte keys, the sealing key first.
     ///
     /// # Errors
     /// An empty list, or a key given twice.
@@ -182,7 +188,7 @@ impl KeyRing {
         Self::build(keys.into_iter().map(|key| RingKey::derive(KEY_SALT, key)))
     }
 
-    /// A ring of secrets that a secret store hands out as text, newest first,
+    /// A ring of secrets that a secret store hands out as text, the sealing one first,
     /// each expanded with HKDF-SHA-256. HKDF does not slow down guessing: a
     /// secret must hold at least 256 bits of randomness (not a passphrase), and
     /// the same bytes given to [`KeyRing::from_keys`] are another key.
@@ -217,7 +223,7 @@ impl KeyRing {
     }
 
     /// A ring from its text form: raw 32-byte keys in standard base64 (with its
-    /// padding), separated by commas, newest first, nothing else (no spaces, no
+    /// padding), separated by commas, the sealing key first, nothing else (no spaces, no
     /// newline), as `PAYMENTS_SEAL_KEYS` holds it.
     ///
     /// # Errors
@@ -265,7 +271,7 @@ impl KeyRing {
         self.keys.is_empty()
     }
 
-    /// The ids of the ring's keys, newest (the one that seals) first.
+    /// The ids of the ring's keys, the one that seals first.
     pub fn ids(&self) -> impl Iterator<Item = KeyId> + '_ {
         self.keys.iter().map(|key| key.id)
     }
@@ -278,7 +284,7 @@ impl KeyRing {
         self.keys.iter().find(|key| key.id == id)
     }
 
-    /// Seals a response for the record of `identity` under the newest key, with
+    /// Seals a response for the record of `identity` under the sealing key, with
     /// the unkeyed `digest` of the request's body.
     ///
     /// # Errors
@@ -347,7 +353,7 @@ impl KeyRing {
     }
 
     /// The fingerprint to store for a request whose unkeyed digest is
-    /// `digest`: the newest key's id, then the first 24 bytes of HMAC-SHA-256 of
+    /// `digest`: the sealing key's id, then the first 24 bytes of HMAC-SHA-256 of
     /// the digest under it (32 bytes in all, the width of the column).
     pub(crate) fn fingerprint(&self, digest: &[u8; 32]) -> [u8; 32] {
         let key = self.newest();
@@ -389,7 +395,7 @@ fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
 /// stores ([`Builder::sealing`](crate::Builder::sealing)).
 ///
 /// With [`On`](Self::On), every recorded response (status, headers and body) is
-/// sealed with XChaCha20-Poly1305 under the ring's newest key, bound to its
+/// sealed with XChaCha20-Poly1305 under the ring's first key, bound to its
 /// row's scope, key, method, path, content type and fingerprint, and every
 /// stored fingerprint is HMAC-SHA-256 under a key derived from the ring. A
 /// record that does not open (in plain text, changed, moved to another row, or
@@ -412,7 +418,7 @@ fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
 /// # fn demo<DB: idem_axum::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
 /// use idem_axum::{Idempotency, KeyRing, Sealing};
 ///
-/// // Newest first: `openssl rand -base64 32` makes a key.
+/// // The sealing key first: `openssl rand -base64 32` makes a key.
 /// let ring = KeyRing::from_base64(&std::env::var("SEAL_KEYS")?)?;
 /// let idempotency = Idempotency::builder(pool)
 ///     .sealing(Sealing::On(ring))

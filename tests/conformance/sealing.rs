@@ -617,3 +617,70 @@ pub async fn fingerprints_of_a_retired_key_are_never_another_body<H: Harness>() 
     assert_eq!(h.effects("alice").await, effects + 1, "nothing ran again");
     h.finish().await;
 }
+
+/// A rotation rolled out instance by instance, in the runbook's steps: the new
+/// key added last (it opens and matches, the first key still seals), then
+/// promoted first, then (after `reseal`) the old key removed. At every step two
+/// instances run side by side, one on the step's ring and one still on the
+/// previous one, and each answers every key either has written so far: the same
+/// body replays (never 500), another body is 422, nothing runs twice. Done in one
+/// step (the new key first on one instance while another still has only the old
+/// one), the old instance answers the new records 500: the reason for the steps.
+pub async fn rotation_rolled_out_never_answers_500<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let (old_only, staged, promoted, new_only) = (
+        B.to_owned(),
+        format!("{B},{A}"),
+        format!("{A},{B}"),
+        A.to_owned(),
+    );
+    let steps = [&old_only, &staged, &promoted, &new_only];
+    let mut written: Vec<(String, Got)> = Vec::new();
+    for (n, pair) in steps.windows(2).enumerate() {
+        let (before, after) = (pair[0], pair[1]);
+        if after == &new_only {
+            // The old key leaves only after every record was sealed anew.
+            let resealer: Idempotency<H::DB> = h
+                .instance_on(h.store().pool().clone())
+                .sealing(Sealing::On(ring(before)))
+                .build()
+                .expect("a store");
+            let report = resealer.reseal(Reseal::new()).await.expect("reseal");
+            assert!(report.caught_up && report.unreadable == 0, "{report:?}");
+        }
+        let instances = [
+            instance(&h, Sealing::On(ring(before))),
+            instance(&h, Sealing::On(ring(after))),
+        ];
+        for (i, writer) in instances.iter().enumerate() {
+            let key = format!("k-{n}-{i}");
+            let first = send(writer, &Req::post("alice", &key, BODY)).await;
+            assert_eq!(first.status, 201, "{key}: {}", first.text());
+            written.push((key, first));
+        }
+        for (key, first) in &written {
+            for (reader, ring) in instances.iter().zip([before, after]) {
+                let replay = send(reader, &Req::post("alice", key, BODY)).await;
+                assert_eq!(
+                    (replay.status, &replay.body),
+                    (201, &first.body),
+                    "{key} read on ring {ring}: {}",
+                    replay.text()
+                );
+                let other = send(reader, &Req::post("alice", key, "another body")).await;
+                assert_eq!(other.status, 422, "{key} on ring {ring}: {}", other.text());
+            }
+        }
+    }
+    assert_eq!(h.effects("alice").await, 6, "each of 6 keys ran once");
+
+    // In one step: the promoted ring beside one that never had the new key.
+    let promoted = instance(&h, Sealing::On(ring(&format!("{A},{B}"))));
+    let old = instance(&h, Sealing::On(ring(B)));
+    let new = send(&promoted, &Req::post("alice", "k-one-step", BODY)).await;
+    assert_eq!(new.status, 201);
+    assert!(unreadable(
+        &send(&old, &Req::post("alice", "k-one-step", BODY)).await
+    ));
+    h.finish().await;
+}

@@ -256,7 +256,12 @@ impl Found {
     /// sealing is on, whatever its fingerprint).
     pub(crate) fn same_body(&self, id: &Identity<'_>, ring: Option<&KeyRing>) -> bool {
         let stored = self.fingerprint.as_slice();
-        let is = |digest: &[u8; 32]| match ring.and_then(|ring| ring.matches(stored, digest)) {
+        let owner = crate::seal::Owner {
+            scope: id.scope,
+            key: id.key,
+        };
+        let is = |digest: &[u8; 32]| match ring.and_then(|ring| ring.matches(stored, owner, digest))
+        {
             Some(matches) => matches,
             None => stored == digest.as_slice(),
         };

@@ -27,7 +27,7 @@ use crate::multipart::InvalidMultipart;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::record::{IDEMPOTENCY_KEY_TTL, encode_headers, replay};
-use crate::seal::{Plain, SealError, Sealed, Sealing, Unreadable, sealed_by};
+use crate::seal::{Owner, Plain, SealError, Sealed, Sealing, Unreadable, sealed_by};
 use crate::signal::{FIRST_PAUSE, MAX_PAUSE, announced, key_digest, signal_of};
 use crate::store::Idempotency;
 use crate::tx::{Open, Tx};
@@ -549,8 +549,12 @@ impl<DB: Backend> Idempotency<DB> {
         fingerprint: &'a [u8; 32],
     ) -> Identity<'a> {
         // Keyed where the store seals: the bare digest is then never stored.
+        let owner = Owner {
+            scope: &request.scope,
+            key: key.as_str(),
+        };
         let stored = match self.inner().sealing.writer() {
-            Some(ring) => ring.fingerprint(fingerprint),
+            Some(ring) => ring.fingerprint(owner, fingerprint),
             None => *fingerprint,
         };
         Identity {

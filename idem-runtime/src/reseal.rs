@@ -236,7 +236,11 @@ fn next(ring: &KeyRing, record: &KeyRecord, plain: bool) -> Result<Next, sqlx::E
         };
         (status, digest, &record.headers[..], &record.body[..])
     };
-    let fingerprint = ring.fingerprint(&digest);
+    let owner = crate::seal::Owner {
+        scope: row.scope,
+        key: row.key,
+    };
+    let fingerprint = ring.fingerprint(owner, &digest);
     let row = Sealed {
         fingerprint: &fingerprint,
         ..row

@@ -352,14 +352,17 @@ impl KeyRing {
         OpenedResponse::parse(plain).ok_or(Unsealable::Tampered(id))
     }
 
-    /// The fingerprint to store for a request whose unkeyed digest is
-    /// `digest`: the sealing key's id, then the first 24 bytes of HMAC-SHA-256 of
-    /// the digest under it (32 bytes in all, the width of the column).
-    pub(crate) fn fingerprint(&self, digest: &[u8; 32]) -> [u8; 32] {
+    /// The fingerprint to store for the request of `owner` whose unkeyed
+    /// digest is `digest`: the sealing key's id, then the first 24 bytes of
+    /// HMAC-SHA-256 under it of the owner's scope and key and of the digest (32
+    /// bytes in all, the width of the column). Over the owner too, so that equal
+    /// bodies under two keys or two tenants are not equal in the table.
+    pub(crate) fn fingerprint(&self, owner: Owner<'_>, digest: &[u8; 32]) -> [u8; 32] {
         let key = self.newest();
         let mut stored = [0; 32];
         stored[..ID_LEN].copy_from_slice(&key.id.0);
-        stored[ID_LEN..].copy_from_slice(&keyed(key, digest)[..32 - ID_LEN]);
+        let mac = keyed(key, Some(owner), digest).finalize().into_bytes();
+        stored[ID_LEN..].copy_from_slice(&mac[..32 - ID_LEN]);
         stored
     }
 
@@ -373,22 +376,47 @@ impl KeyRing {
     }
 
     /// Whether `stored`, a fingerprint this ring wrote under any of its keys,
-    /// is that of `digest`; `None` when no key of the ring wrote it (an unkeyed
-    /// fingerprint, or one keyed under a key that has left).
-    pub(crate) fn matches(&self, stored: &[u8], digest: &[u8; 32]) -> Option<bool> {
+    /// is that of `owner`'s request with `digest`; `None` when no key of the
+    /// ring wrote it (an unkeyed fingerprint, or one keyed under a key that has
+    /// left). Compared in constant time. Fingerprints of earlier releases,
+    /// keyed over the digest alone, still match.
+    pub(crate) fn matches(
+        &self,
+        stored: &[u8],
+        owner: Owner<'_>,
+        digest: &[u8; 32],
+    ) -> Option<bool> {
         let (id, mac) = stored.split_first_chunk::<ID_LEN>()?;
         if mac.len() != 32 - ID_LEN {
             return None;
         }
         let key = self.key(KeyId(*id))?;
-        Some(keyed(key, digest)[..32 - ID_LEN] == *mac)
+        let is = |owner| keyed(key, owner, digest).verify_truncated_left(mac).is_ok();
+        Some(is(Some(owner)) || is(None))
     }
 }
 
-fn keyed(key: &RingKey, digest: &[u8; 32]) -> [u8; 32] {
+/// The request a fingerprint is keyed for: its scope and idempotency key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Owner<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+}
+
+/// HMAC-SHA-256 under `key`'s fingerprint key of the owner (length-prefixed,
+/// after a label, so that no input of one form is one of the other) and the
+/// digest; over the digest alone without an owner, as earlier releases keyed.
+fn keyed(key: &RingKey, owner: Option<Owner<'_>>, digest: &[u8; 32]) -> Hmac<Sha256> {
     let mut mac = key.fingerprints.clone();
+    if let Some(Owner { scope, key }) = owner {
+        mac.update(b"idem fingerprint v2");
+        for part in [scope, key] {
+            mac.update(&(part.len() as u64).to_be_bytes());
+            mac.update(part.as_bytes());
+        }
+    }
     mac.update(digest);
-    mac.finalize().into_bytes().into()
+    mac
 }
 
 /// Whether a store seals the responses it records and keys the fingerprints it
@@ -797,9 +825,18 @@ mod tests {
         let ring = KeyRing::from_base64(B).expect("ring");
         let id = ring.ids().next().expect("a key");
         assert_eq!(id.to_string(), KNOWN_ID);
-        let fingerprint = ring.fingerprint(&[7; 32]);
+        let fingerprint = ring.fingerprint(ALICE_K1, &[7; 32]);
         assert_eq!(hex(&fingerprint), KNOWN_FINGERPRINT);
         assert_eq!(fingerprint[..ID_LEN], *id.as_bytes());
+        // Keyed over the digest alone, as releases before the owner was keyed
+        // wrote them: they still match, for any owner.
+        let legacy: Vec<u8> = (0..KNOWN_FINGERPRINT_V1.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&KNOWN_FINGERPRINT_V1[i..i + 2], 16).expect("hex"))
+            .collect();
+        assert_eq!(ring.matches(&legacy, ALICE_K1, &[7; 32]), Some(true));
+        assert_eq!(ring.matches(&legacy, BOB_K1, &[7; 32]), Some(true));
+        assert_eq!(ring.matches(&legacy, ALICE_K1, &[8; 32]), Some(false));
         let sealed = ring
             .seal_with_nonce(
                 &identity("alice", "k-1"),
@@ -844,8 +881,20 @@ mod tests {
     const KNOWN_ID: &str = "92bfd512f7926b1d";
     const KNOWN_FINGERPRINT: &str = concat!(
         "92bfd512f7926b1d",                                 // key id
-        "6cefdac8501d9d195befaa15b4ce0fd7ea6a27d0c479ea8e", // HMAC, cut
+        "adcc00aeca3fa1e37a502d291af12f1724e624b75a96136b", // HMAC of the owner and the digest, cut
     );
+    const KNOWN_FINGERPRINT_V1: &str = concat!(
+        "92bfd512f7926b1d",                                 // key id
+        "6cefdac8501d9d195befaa15b4ce0fd7ea6a27d0c479ea8e", // HMAC of the digest, cut
+    );
+    const ALICE_K1: Owner<'static> = Owner {
+        scope: "alice",
+        key: "k-1",
+    };
+    const BOB_K1: Owner<'static> = Owner {
+        scope: "bob",
+        key: "k-1",
+    };
     const KNOWN_RECORD: &str = concat!(
         "01",                                               // version
         "92bfd512f7926b1d",                                 // key id
@@ -965,20 +1014,35 @@ mod tests {
         let old = KeyRing::from_base64(B).expect("ring");
         let other = KeyRing::from_base64(A).expect("ring");
         let rotated = KeyRing::from_base64(&format!("{A},{B}")).expect("ring");
-        let stored = old.fingerprint(&digest);
+        let stored = old.fingerprint(ALICE_K1, &digest);
         assert_ne!(stored, digest);
-        assert_ne!(stored, other.fingerprint(&digest));
-        assert_eq!(old.matches(&stored, &digest), Some(true));
-        assert_eq!(old.matches(&stored, &[8; 32]), Some(false));
+        assert_ne!(stored, other.fingerprint(ALICE_K1, &digest));
+        assert_eq!(old.matches(&stored, ALICE_K1, &digest), Some(true));
+        assert_eq!(old.matches(&stored, ALICE_K1, &[8; 32]), Some(false));
+        // The same body under another scope, or another key, is stored apart
+        // and does not match there.
+        assert_ne!(old.fingerprint(BOB_K1, &digest), stored);
+        let k2 = Owner {
+            scope: "alice",
+            key: "k-2",
+        };
+        assert_ne!(old.fingerprint(k2, &digest), stored);
+        assert_eq!(old.matches(&stored, BOB_K1, &digest), Some(false));
+        // Length-prefixed: a scope's end is not a key's start.
+        let split = Owner {
+            scope: "alicek",
+            key: "-1",
+        };
+        assert_ne!(old.fingerprint(split, &digest), stored);
         // After a rotation, under the key that wrote it.
-        assert_eq!(rotated.matches(&stored, &digest), Some(true));
-        assert_ne!(rotated.fingerprint(&digest), stored);
+        assert_eq!(rotated.matches(&stored, ALICE_K1, &digest), Some(true));
+        assert_ne!(rotated.fingerprint(ALICE_K1, &digest), stored);
         // Not written by this ring: the key left, or it is an unkeyed digest.
-        assert_eq!(other.matches(&stored, &digest), None);
-        assert_eq!(old.matches(&digest, &digest), None);
-        assert_eq!(old.matches(&stored[..31], &digest), None);
+        assert_eq!(other.matches(&stored, ALICE_K1, &digest), None);
+        assert_eq!(old.matches(&digest, ALICE_K1, &digest), None);
+        assert_eq!(old.matches(&stored[..31], ALICE_K1, &digest), None);
         // Raw keys and their base64 form are one ring.
         let raw = KeyRing::from_keys([&*decode_key(B).expect("key")]).expect("ring");
-        assert_eq!(raw.fingerprint(&digest), stored);
+        assert_eq!(raw.fingerprint(ALICE_K1, &digest), stored);
     }
 }

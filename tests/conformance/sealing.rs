@@ -101,6 +101,19 @@ pub async fn sealed_records_replay_and_hold_no_plaintext<H: Harness>() {
     for (_, row) in &rows {
         assert_sealed(row, A);
     }
+    // One body under six keys: six fingerprints, and none equal to another
+    // tenant's under the same key (what is keyed is the request's key too).
+    let mut fingerprints: Vec<&[u8]> = rows.iter().map(|(_, row)| &row.fingerprint[..]).collect();
+    fingerprints.sort_unstable();
+    fingerprints.dedup();
+    assert_eq!(fingerprints.len(), 6, "equal bodies stored apart");
+    let carol = send(&first, &Req::post("carol", &keys[0], BODY)).await;
+    assert_eq!(carol.status, 201);
+    let theirs = &h.key_rows("carol").await[0].1;
+    assert_ne!(
+        theirs.fingerprint, rows[0].1.fingerprint,
+        "another tenant, same key and body"
+    );
     assert_eq!(h.effects("alice").await, 6, "nothing ran again");
 
     // A JSON fingerprint is keyed too: a body re-encoded by a retry still

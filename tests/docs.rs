@@ -86,3 +86,47 @@ fn the_outcome_table_names_every_problem() {
         );
     }
 }
+
+/// Users depend on `idem-axum` and never name `idem-runtime`: every doc example
+/// of the runtime names `idem_axum` (behind `extern crate idem_runtime as
+/// idem_axum`, which the rendered docs hide).
+#[test]
+fn doc_examples_name_the_crate_users_depend_on() {
+    let mut checked = 0;
+    let mut naming = Vec::new();
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("idem-runtime/src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("the runtime's sources") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a source");
+            for (n, line) in text.lines().enumerate() {
+                let line = line.trim_start();
+                if !(line.starts_with("///") || line.starts_with("//!")) {
+                    continue;
+                }
+                checked += 1;
+                if line.contains("idem_runtime")
+                    && !line.contains("extern crate idem_runtime as idem_axum")
+                {
+                    naming.push(format!("{}:{}: {line}", path.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        checked > 1000,
+        "read too few doc lines to be checking anything: {checked}"
+    );
+    assert!(
+        naming.is_empty(),
+        "doc lines that name idem_runtime:\n{}",
+        naming.join("\n")
+    );
+}

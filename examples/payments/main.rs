@@ -388,7 +388,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Recorded answers hold card details: sealed at rest when a key ring is given
     // (standard base64 of 32-byte keys, the sealing key first, separated by commas). A
     // malformed ring stops the start, never runs unsealed.
-    let sealing = match std::env::var("PAYMENTS_SEAL_KEYS") {
+    let sealing = match std::env::var("PAYMENTS_SEAL_KEYS").map(zeroize::Zeroizing::new) {
         Ok(keys) => Sealing::On(
             KeyRing::from_base64(&keys).map_err(|e| format!("PAYMENTS_SEAL_KEYS: {e}"))?,
         ),

@@ -28,6 +28,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use zeroize::Zeroizing;
+
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use idem_runtime::{
@@ -730,23 +732,54 @@ fn describe(out: &mut String, record: &KeyRecord) {
 }
 
 /// The key ring from `--seal-keys-file` or `IDEM_SEAL_KEYS`, if either is given.
+/// Its text is cleared from memory once the ring is built.
 fn key_ring(file: Option<&std::path::Path>) -> Result<Option<KeyRing>, Fail> {
     let text = match file {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| Fail::Usage(format!("--seal-keys-file {}: {e}", path.display())))?;
+            private(path)?;
+            let text =
+                Zeroizing::new(std::fs::read_to_string(path).map_err(|e| {
+                    Fail::Usage(format!("--seal-keys-file {}: {e}", path.display()))
+                })?);
             // The one newline an editor or `echo` leaves; anything else is refused.
-            let text = text.strip_suffix('\n').unwrap_or(&text);
-            Some(text.strip_suffix('\r').unwrap_or(text).to_owned())
+            let trimmed = text.strip_suffix('\n').unwrap_or(&text);
+            Some(Zeroizing::new(
+                trimmed.strip_suffix('\r').unwrap_or(trimmed).to_owned(),
+            ))
         }
         None => match std::env::var("IDEM_SEAL_KEYS") {
-            Ok(text) => Some(text),
+            Ok(text) => Some(Zeroizing::new(text)),
             Err(std::env::VarError::NotPresent) => None,
             Err(error) => return Err(Fail::Usage(format!("IDEM_SEAL_KEYS: {error}"))),
         },
     };
     text.map(|text| KeyRing::from_base64(&text).map_err(|e| Fail::Usage(e.to_string())))
         .transpose()
+}
+
+/// A key file others can read is refused, as ssh refuses a private key: the keys
+/// must be the owner's alone (`chmod 600`).
+#[cfg(unix)]
+fn private(path: &std::path::Path) -> Result<(), Fail> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(path)
+        .map_err(|e| Fail::Usage(format!("--seal-keys-file {}: {e}", path.display())))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(Fail::Usage(format!(
+            "--seal-keys-file {}: its permissions {:04o} let others read the keys; \
+             make it the owner's alone (chmod 600)",
+            path.display(),
+            mode & 0o7777
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn private(_path: &std::path::Path) -> Result<(), Fail> {
+    Ok(())
 }
 
 async fn reseal<DB: Backend>(store: &Idempotency<DB>, settings: Reseal) -> Result<String, Fail> {

@@ -87,7 +87,25 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
     assert!(seen.stdout.contains("status:      201"), "{}", seen.stdout);
     let file = dir.join("ring");
     std::fs::write(&file, format!("{NEW},{OLD}\n")).expect("ring file");
+    let path = file.clone();
     let file = file.to_str().expect("a path");
+    // A file others can read is refused, naming its permissions, not its keys.
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let open = idem(
+            &url,
+            &["--seal-keys-file", file, "show", "--scope", "alice", "k-2"],
+        );
+        assert_eq!(open.code, 2, "{}", open.stderr);
+        assert!(
+            open.stderr.contains("0644") && open.stderr.contains("chmod 600"),
+            "{}",
+            open.stderr
+        );
+        assert!(!open.stderr.contains(&NEW[..10]) && !open.stdout.contains("receipt"));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    }
     let seen = idem(
         &url,
         &["--seal-keys-file", file, "show", "--scope", "alice", "k-2"],

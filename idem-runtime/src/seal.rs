@@ -132,7 +132,8 @@ impl RingKey {
 /// never prints its keys, only their ids.
 ///
 /// ```
-/// use idem_runtime::KeyRing;
+/// # extern crate idem_runtime as idem_axum;
+/// use idem_axum::KeyRing;
 ///
 /// // Example keys only: make your own with `openssl rand -base64 32`.
 /// // The sealing key first, separated by commas.
@@ -141,7 +142,7 @@ impl RingKey {
 /// )?;
 /// assert_eq!(ring.len(), 2);
 /// assert!(KeyRing::from_base64("").is_err());
-/// # Ok::<(), idem_runtime::KeyRingError>(())
+/// # Ok::<(), idem_axum::KeyRingError>(())
 /// ```
 pub struct KeyRing {
     keys: Vec<RingKey>,

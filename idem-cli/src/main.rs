@@ -64,6 +64,10 @@ struct Cli {
     /// `IDEM_SEAL_KEYS`).
     #[arg(long, global = true, value_name = "PATH")]
     seal_keys_file: Option<PathBuf>,
+    /// The context the service's key ring binds its records to
+    /// (`KeyRing::with_context`), if it names one.
+    #[arg(long, global = true, env = "IDEM_SEAL_CONTEXT", value_name = "NAME")]
+    seal_context: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -362,6 +366,7 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         table,
         partitioned,
         seal_keys_file,
+        seal_context,
         command,
     } = cli;
     if let Command::Migration { backend, since } = command {
@@ -391,7 +396,8 @@ async fn run(cli: Cli) -> Result<String, Fail> {
         }
         return Ok(out);
     }
-    let ring = key_ring(seal_keys_file.as_deref())?;
+    let ring = key_ring(seal_keys_file.as_deref())?
+        .map(|ring| ring.with_context(seal_context.unwrap_or_default()));
     // `reseal` writes under the ring's first key; every other command only opens.
     let sealing = match (ring, &command) {
         (Some(ring), Command::Reseal { .. }) => Sealing::On(ring),

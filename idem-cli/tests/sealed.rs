@@ -87,12 +87,13 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
     assert!(seen.stdout.contains("status:      201"), "{}", seen.stdout);
     let file = dir.join("ring");
     std::fs::write(&file, format!("{NEW},{OLD}\n")).expect("ring file");
-    let path = file.clone();
+    let ring_path = file.clone();
     let file = file.to_str().expect("a path");
     // A file others can read is refused, naming its permissions, not its keys.
     {
         use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        std::fs::set_permissions(&ring_path, std::fs::Permissions::from_mode(0o644))
+            .expect("chmod");
         let open = idem(
             &url,
             &["--seal-keys-file", file, "show", "--scope", "alice", "k-2"],
@@ -104,7 +105,8 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
             open.stderr
         );
         assert!(!open.stderr.contains(&NEW[..10]) && !open.stdout.contains("receipt"));
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        std::fs::set_permissions(&ring_path, std::fs::Permissions::from_mode(0o600))
+            .expect("chmod");
     }
     let seen = idem(
         &url,
@@ -164,6 +166,61 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
         moved.stdout.contains("card 4242, receipt one"),
         "{}",
         moved.stdout
+    );
+
+    // A store whose ring names a context: its records open only where the tool
+    // names the same one (`--seal-context` or `IDEM_SEAL_CONTEXT`).
+    let pool = sqlx::SqlitePool::connect_with(SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("sqlite");
+    let bound = Idempotency::builder(pool.clone())
+        .sealing(Sealing::On(
+            KeyRing::from_base64(NEW)
+                .expect("a ring")
+                .with_context("payments-test/idempotency_keys"),
+        ))
+        .build()
+        .expect("a store");
+    let paid = pay(&bound, "k-3", "receipt three").await;
+    assert_eq!(paid.status(), 201, "{:?}", paid.body());
+    pool.close().await;
+    let show = ["show", "--scope", "alice", "k-3"];
+    let elsewhere = idem_with(&url, &show, &[("IDEM_SEAL_KEYS", NEW)]);
+    assert!(
+        elsewhere.stdout.contains("does not open") && !elsewhere.stdout.contains("receipt three"),
+        "{}",
+        elsewhere.stdout
+    );
+    let named = idem_with(
+        &url,
+        &[
+            "--seal-context",
+            "payments-test/idempotency_keys",
+            "show",
+            "--scope",
+            "alice",
+            "k-3",
+        ],
+        &[("IDEM_SEAL_KEYS", NEW)],
+    );
+    assert!(
+        named.stdout.contains("receipt three"),
+        "{} {}",
+        named.stdout,
+        named.stderr
+    );
+    let from_env = idem_with(
+        &url,
+        &show,
+        &[
+            ("IDEM_SEAL_KEYS", NEW),
+            ("IDEM_SEAL_CONTEXT", "payments-test/idempotency_keys"),
+        ],
+    );
+    assert!(
+        from_env.stdout.contains("receipt three"),
+        "{}",
+        from_env.stdout
     );
 
     let _ = std::fs::remove_dir_all(dir);

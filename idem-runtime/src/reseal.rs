@@ -205,14 +205,21 @@ impl<DB: Backend> Idempotency<DB> {
 fn next(ring: &KeyRing, record: &KeyRecord, plain: bool) -> Result<Next, sqlx::Error> {
     let newest: Option<KeyId> = ring.ids().next();
     let row = record.sealed_row();
-    let keyed_by_newest =
-        newest.is_some_and(|id| record.fingerprint.get(..8) == Some(&id.as_bytes()[..]));
+    let owner = crate::seal::Owner {
+        scope: row.scope,
+        key: row.key,
+    };
     let opened;
     let (status, digest, headers, body) = if record.status == Some(0) {
         let Ok(open) = ring.open(&row, &record.body) else {
             return Ok(Next::Unreadable);
         };
-        if newest == crate::seal::sealed_by(&record.body) && keyed_by_newest {
+        // Current: sealed under the first key in this release's envelope (with
+        // the ring's context), its fingerprint keyed as this release keys it.
+        if newest == crate::seal::sealed_by(&record.body)
+            && crate::seal::current_envelope(&record.body)
+            && record.fingerprint[..] == ring.fingerprint(owner, &open.digest)[..]
+        {
             return Ok(Next::Current);
         }
         opened = open;
@@ -235,10 +242,6 @@ fn next(ring: &KeyRing, record: &KeyRecord, plain: bool) -> Result<Next, sqlx::E
             return Ok(Next::Unreadable);
         };
         (status, digest, &record.headers[..], &record.body[..])
-    };
-    let owner = crate::seal::Owner {
-        scope: row.scope,
-        key: row.key,
     };
     let fingerprint = ring.fingerprint(owner, &digest);
     let row = Sealed {

@@ -14,14 +14,19 @@
 //! digest rides inside, never in the clear, so that a record re-sealed under a
 //! new key gets its fingerprint keyed anew: once every record is, the old key
 //! can leave the ring. Its associated data is the
-//! version, the key id and the row's identity (scope, key, method, path, content
-//! type and stored fingerprint, each length-prefixed), so a row copied to another
-//! scope or key, or given another request's fingerprint, does not open.
+//! version, the key id, the row's identity (scope, key, method, path, content
+//! type and stored fingerprint) and the context the application names for the
+//! ring (`KeyRing::with_context`), each length-prefixed, so a row copied to
+//! another scope, key, table or environment, or given another request's
+//! fingerprint, does not open. Version 1 (earlier releases) had no context, and
+//! still opens.
 //!
-//! A keyed fingerprint is the key's id and HMAC-SHA-256 of the request's unkeyed
-//! digest (SHA-256 of the body, or of its canonical form), cut to 24 bytes: a
-//! retry matches under an older key from the digest alone, and the unkeyed
-//! digest is never stored.
+//! A keyed fingerprint is the key's id and HMAC-SHA-256 of the request's scope
+//! and key and its unkeyed digest (SHA-256 of the body, or of its canonical
+//! form), cut to 24 bytes: a retry matches under an older key from the digest
+//! alone, the unkeyed digest is never stored, and equal bodies of two keys or
+//! tenants are stored apart. Earlier releases keyed the digest alone; those
+//! fingerprints still match.
 
 use std::fmt;
 
@@ -31,8 +36,11 @@ use hmac::{Hmac, Mac as _};
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
-/// The first byte of every sealed record: the envelope's format.
-const VERSION: u8 = 1;
+/// The first byte of every sealed record: the envelope's format. Version 2's
+/// associated data holds the ring's context; version 1's (earlier releases)
+/// holds none, and still opens.
+const VERSION: u8 = 2;
+const VERSION_1: u8 = 1;
 const ID_LEN: usize = 8;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
@@ -146,12 +154,17 @@ impl RingKey {
 /// ```
 pub struct KeyRing {
     keys: Vec<RingKey>,
+    /// What the application names the records' home (`with_context`).
+    context: Box<str>,
 }
 
 impl fmt::Debug for KeyRing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ids: Vec<KeyId> = self.ids().collect();
-        f.debug_struct("KeyRing").field("ids", &ids).finish()
+        f.debug_struct("KeyRing")
+            .field("ids", &ids)
+            .field("context", &self.context)
+            .finish()
     }
 }
 
@@ -259,7 +272,37 @@ impl KeyRing {
                 return Err(KeyRingError::new(format!("key {} is given twice", n + 1)));
             }
         }
-        Ok(Self { keys })
+        Ok(Self {
+            keys,
+            context: Box::from(""),
+        })
+    }
+
+    /// Binds what this ring seals to `context`, a name the application gives
+    /// the records' home (its deployment and table: `payments-prod/idempotency_keys`),
+    /// so that a record copied to another table or environment whose ring holds
+    /// the same keys does not open there. Every instance, and the `idem` tool
+    /// (`--seal-context`), must name the same context; records sealed before
+    /// the context was set (or by earlier releases) still open.
+    ///
+    /// ```
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::KeyRing;
+    ///
+    /// let ring = KeyRing::from_base64("3q2+7wAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=")?
+    ///     .with_context("payments-prod/idempotency_keys");
+    /// assert_eq!(ring.context(), "payments-prod/idempotency_keys");
+    /// # Ok::<(), idem_axum::KeyRingError>(())
+    /// ```
+    #[must_use]
+    pub fn with_context(mut self, context: impl Into<String>) -> Self {
+        self.context = context.into().into_boxed_str();
+        self
+    }
+
+    /// The context what this ring seals is bound to (empty unless set).
+    pub fn context(&self) -> &str {
+        &self.context
     }
 
     /// How many keys the ring holds.
@@ -325,7 +368,7 @@ impl KeyRing {
         out.extend_from_slice(&headers_len.to_be_bytes());
         out.extend_from_slice(headers);
         out.extend_from_slice(body);
-        let aad = identity.associated_data(key.id);
+        let aad = identity.associated_data(VERSION, key.id, &self.context);
         let tag = key
             .cipher
             .encrypt_inout_detached(&XNonce::from(nonce), &aad, (&mut out[HEAD_LEN..]).into())
@@ -345,7 +388,7 @@ impl KeyRing {
         let key = self.key(id).ok_or(Unsealable::UnknownKey(id))?;
         let nonce = XNonce::try_from(parts.nonce).map_err(|_| Unsealable::Malformed)?;
         let tag = Tag::try_from(parts.tag).map_err(|_| Unsealable::Malformed)?;
-        let aad = identity.associated_data(id);
+        let aad = identity.associated_data(parts.version, id, &self.context);
         let mut plain = parts.ciphertext.to_vec();
         key.cipher
             .decrypt_inout_detached(&nonce, &aad, plain.as_mut_slice().into(), &tag)
@@ -517,6 +560,7 @@ impl std::error::Error for SealError {}
 
 /// A sealed record's parts.
 struct Parts<'a> {
+    version: u8,
     id: KeyId,
     nonce: &'a [u8],
     ciphertext: &'a [u8],
@@ -525,18 +569,25 @@ struct Parts<'a> {
 
 fn split(sealed: &[u8]) -> Option<Parts<'_>> {
     let (&version, rest) = sealed.split_first()?;
-    if version != VERSION || rest.len() < ID_LEN + NONCE_LEN + TAG_LEN {
+    if !matches!(version, VERSION | VERSION_1) || rest.len() < ID_LEN + NONCE_LEN + TAG_LEN {
         return None;
     }
     let (id, rest) = rest.split_at(ID_LEN);
     let (nonce, rest) = rest.split_at(NONCE_LEN);
     let (ciphertext, tag) = rest.split_at(rest.len() - TAG_LEN);
     Some(Parts {
+        version,
         id: KeyId::try_from(id).ok()?,
         nonce,
         ciphertext,
         tag,
     })
+}
+
+/// Whether a sealed record is in this release's envelope (version 2, with a
+/// context), not an earlier one that `reseal` brings up to date.
+pub(crate) fn current_envelope(sealed: &[u8]) -> bool {
+    sealed.first() == Some(&VERSION)
 }
 
 /// The key id a sealed record names, if it is one.
@@ -558,10 +609,14 @@ pub(crate) struct Sealed<'a> {
 }
 
 impl Sealed<'_> {
-    fn associated_data(&self, id: KeyId) -> Vec<u8> {
+    /// The associated data of an envelope of `version` under key `id`; from
+    /// version 2 on, with the ring's `context`.
+    fn associated_data(&self, version: u8, id: KeyId, context: &str) -> Vec<u8> {
         let label = b"idem sealed response";
         // A missing content type is not an empty one: it would match any.
         let content_type = self.content_type.map(str::as_bytes);
+        // Version 1 had no context: its parts end with the fingerprint.
+        let context = (version != VERSION_1).then_some(context.as_bytes());
         let parts = [
             Some(self.scope.as_bytes()),
             Some(self.key.as_bytes()),
@@ -570,17 +625,18 @@ impl Sealed<'_> {
             content_type,
             Some(self.fingerprint),
         ];
+        let parts = parts.iter().copied().chain(context.map(Some));
         let mut aad = Vec::with_capacity(
             label.len()
                 + 1
                 + ID_LEN
                 + parts
-                    .iter()
+                    .clone()
                     .map(|p| 9 + p.map_or(0, <[u8]>::len))
                     .sum::<usize>(),
         );
         aad.extend_from_slice(label);
-        aad.push(VERSION);
+        aad.push(version);
         aad.extend_from_slice(&id.0);
         for part in parts {
             match part {
@@ -831,10 +887,7 @@ mod tests {
         assert_eq!(fingerprint[..ID_LEN], *id.as_bytes());
         // Keyed over the digest alone, as releases before the owner was keyed
         // wrote them: they still match, for any owner.
-        let legacy: Vec<u8> = (0..KNOWN_FINGERPRINT_V1.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&KNOWN_FINGERPRINT_V1[i..i + 2], 16).expect("hex"))
-            .collect();
+        let legacy = unhex(KNOWN_FINGERPRINT_V1);
         assert_eq!(ring.matches(&legacy, ALICE_K1, &[7; 32]), Some(true));
         assert_eq!(ring.matches(&legacy, BOB_K1, &[7; 32]), Some(true));
         assert_eq!(ring.matches(&legacy, ALICE_K1, &[8; 32]), Some(false));
@@ -854,6 +907,18 @@ mod tests {
             (201, &b"a: b\r\n"[..], &b"{}"[..])
         );
         assert_eq!(opened.digest, [7; 32]);
+        // Sealed by earlier releases (version 1, no context): still opens, under
+        // any context.
+        let legacy = unhex(KNOWN_RECORD_V1);
+        for ring in [
+            &ring,
+            &KeyRing::from_base64(B).expect("ring").with_context("prod"),
+        ] {
+            let opened = ring
+                .open(&identity("alice", "k-1"), &legacy)
+                .expect("opens");
+            assert_eq!((opened.status, &opened.body[..]), (201, &b"{}"[..]));
+        }
         // Nothing at all is sealed too.
         let empty = ring
             .seal(&identity("alice", "k-2"), &plain(204, b"", b""))
@@ -879,6 +944,43 @@ mod tests {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    fn unhex(text: &str) -> Vec<u8> {
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex"))
+            .collect()
+    }
+
+    /// A record sealed in one context (deployment, table) does not open in
+    /// another whose ring holds the same keys, nor where none is named.
+    #[test]
+    fn records_open_only_in_their_context() {
+        let prod = KeyRing::from_base64(B)
+            .expect("ring")
+            .with_context("prod/keys");
+        let id = identity("alice", "k-1");
+        let sealed = prod.seal(&id, &plain(200, b"", b"ok")).expect("sealed");
+        assert_eq!(prod.open(&id, &sealed).expect("opens").body, b"ok");
+        let b_id = prod.ids().next().expect("a key");
+        for other in ["staging/keys", "prod/other_keys", ""] {
+            let ring = KeyRing::from_base64(B).expect("ring").with_context(other);
+            assert_eq!(
+                ring.open(&id, &sealed),
+                Err(Unsealable::Tampered(b_id)),
+                "{other:?}"
+            );
+        }
+        // Relabelled as version 1, which had no context: refused too.
+        let mut relabelled = sealed.clone();
+        relabelled[0] = VERSION_1;
+        let plain_ring = KeyRing::from_base64(B).expect("ring");
+        assert_eq!(
+            plain_ring.open(&id, &relabelled),
+            Err(Unsealable::Tampered(b_id))
+        );
+        assert!(format!("{prod:?}").contains("prod/keys"));
+    }
+
     const KNOWN_ID: &str = "92bfd512f7926b1d";
     const KNOWN_FINGERPRINT: &str = concat!(
         "92bfd512f7926b1d",                                 // key id
@@ -897,6 +999,15 @@ mod tests {
         key: "k-1",
     };
     const KNOWN_RECORD: &str = concat!(
+        "02",                                               // version
+        "92bfd512f7926b1d",                                 // key id
+        "090909090909090909090909090909090909090909090909", // nonce
+        // ciphertext
+        "f5c15f941b490a748e7918f96d7614d4f7bfca6297851d989c88fb9fcedc533b",
+        "f752fc7d5669b222be26163372a7",
+        "1e1372ebfd54f597ab475ef309927e62", // tag, over the empty context
+    );
+    const KNOWN_RECORD_V1: &str = concat!(
         "01",                                               // version
         "92bfd512f7926b1d",                                 // key id
         "090909090909090909090909090909090909090909090909", // nonce

@@ -217,7 +217,7 @@ fn next(ring: &KeyRing, record: &KeyRecord, plain: bool) -> Result<Next, sqlx::E
         // Current: sealed under the first key in this release's envelope (with
         // the ring's context), its fingerprint keyed as this release keys it.
         if newest == crate::seal::sealed_by(&record.body)
-            && crate::seal::current_envelope(&record.body)
+            && crate::seal::current_envelope(ring, &record.body)
             && record.fingerprint[..] == ring.fingerprint(owner, &open.digest)[..]
         {
             return Ok(Next::Current);

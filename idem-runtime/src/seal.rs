@@ -18,8 +18,8 @@
 //! type and stored fingerprint) and the context the application names for the
 //! ring (`KeyRing::with_context`), each length-prefixed, so a row copied to
 //! another scope, key, table or environment, or given another request's
-//! fingerprint, does not open. Version 1 (earlier releases) had no context, and
-//! still opens.
+//! fingerprint, does not open. Version 1, what a ring without a context seals
+//! (and all that earlier releases sealed), has none, and opens under any.
 //!
 //! A keyed fingerprint is the key's id and HMAC-SHA-256 of the request's scope
 //! and key and its unkeyed digest (SHA-256 of the body, or of its canonical
@@ -37,8 +37,9 @@ use sha2::Sha256;
 use zeroize::Zeroizing;
 
 /// The first byte of every sealed record: the envelope's format. Version 2's
-/// associated data holds the ring's context; version 1's (earlier releases)
-/// holds none, and still opens.
+/// associated data holds the ring's context; version 1's holds none: what a
+/// ring without a context seals, and what earlier releases sealed. A version 1
+/// record opens under any context.
 const VERSION: u8 = 2;
 const VERSION_1: u8 = 1;
 const ID_LEN: usize = 8;
@@ -282,8 +283,9 @@ impl KeyRing {
     /// the records' home (its deployment and table: `payments-prod/idempotency_keys`),
     /// so that a record copied to another table or environment whose ring holds
     /// the same keys does not open there. Every instance, and the `idem` tool
-    /// (`--seal-context`), must name the same context; records sealed before
-    /// the context was set (or by earlier releases) still open.
+    /// (`--seal-context`), must name the same context. Records sealed without a
+    /// context (before it was named, or by earlier releases) are bound to none
+    /// and open under any; `reseal` seals them anew under it.
     ///
     /// ```
     /// # extern crate idem_runtime as idem_axum;
@@ -303,6 +305,16 @@ impl KeyRing {
     /// The context what this ring seals is bound to (empty unless set).
     pub fn context(&self) -> &str {
         &self.context
+    }
+
+    /// The envelope this ring seals in: version 2 with its context, version 1
+    /// (as before contexts) without one.
+    fn version(&self) -> u8 {
+        if self.context.is_empty() {
+            VERSION_1
+        } else {
+            VERSION
+        }
     }
 
     /// How many keys the ring holds.
@@ -360,7 +372,8 @@ impl KeyRing {
         // Sealed in place: the body is copied once, into the record.
         let mut out =
             Vec::with_capacity(HEAD_LEN + PLAIN_HEAD_LEN + headers.len() + body.len() + TAG_LEN);
-        out.push(VERSION);
+        let version = self.version();
+        out.push(version);
         out.extend_from_slice(&key.id.0);
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&status.to_be_bytes());
@@ -368,7 +381,7 @@ impl KeyRing {
         out.extend_from_slice(&headers_len.to_be_bytes());
         out.extend_from_slice(headers);
         out.extend_from_slice(body);
-        let aad = identity.associated_data(VERSION, key.id, &self.context);
+        let aad = identity.associated_data(version, key.id, &self.context);
         let tag = key
             .cipher
             .encrypt_inout_detached(&XNonce::from(nonce), &aad, (&mut out[HEAD_LEN..]).into())
@@ -584,10 +597,10 @@ fn split(sealed: &[u8]) -> Option<Parts<'_>> {
     })
 }
 
-/// Whether a sealed record is in this release's envelope (version 2, with a
-/// context), not an earlier one that `reseal` brings up to date.
-pub(crate) fn current_envelope(sealed: &[u8]) -> bool {
-    sealed.first() == Some(&VERSION)
+/// Whether a sealed record is in the envelope `ring` seals in (with its
+/// context, if it names one), not one that `reseal` brings up to date.
+pub(crate) fn current_envelope(ring: &KeyRing, sealed: &[u8]) -> bool {
+    sealed.first() == Some(&ring.version())
 }
 
 /// The key id a sealed record names, if it is one.
@@ -907,18 +920,24 @@ mod tests {
             (201, &b"a: b\r\n"[..], &b"{}"[..])
         );
         assert_eq!(opened.digest, [7; 32]);
-        // Sealed by earlier releases (version 1, no context): still opens, under
-        // any context.
-        let legacy = unhex(KNOWN_RECORD_V1);
-        for ring in [
-            &ring,
-            &KeyRing::from_base64(B).expect("ring").with_context("prod"),
-        ] {
-            let opened = ring
-                .open(&identity("alice", "k-1"), &legacy)
-                .expect("opens");
-            assert_eq!((opened.status, &opened.body[..]), (201, &b"{}"[..]));
-        }
+        // Without a context, version 1 (as earlier releases sealed): it opens
+        // under any context. With one, version 2, bound to it.
+        let bound = KeyRing::from_base64(B)
+            .expect("ring")
+            .with_context("prod/keys");
+        let opened = bound
+            .open(&identity("alice", "k-1"), &sealed)
+            .expect("opens");
+        assert_eq!((opened.status, &opened.body[..]), (201, &b"{}"[..]));
+        let in_context = bound
+            .seal_with_nonce(
+                &identity("alice", "k-1"),
+                [9; NONCE_LEN],
+                &plain(201, b"a: b\r\n", b"{}"),
+            )
+            .expect("sealed");
+        assert_eq!(hex(&in_context), KNOWN_RECORD_IN_CONTEXT);
+        assert!(bound.open(&identity("alice", "k-1"), &in_context).is_ok());
         // Nothing at all is sealed too.
         let empty = ring
             .seal(&identity("alice", "k-2"), &plain(204, b"", b""))
@@ -998,16 +1017,16 @@ mod tests {
         scope: "bob",
         key: "k-1",
     };
-    const KNOWN_RECORD: &str = concat!(
+    const KNOWN_RECORD_IN_CONTEXT: &str = concat!(
         "02",                                               // version
         "92bfd512f7926b1d",                                 // key id
         "090909090909090909090909090909090909090909090909", // nonce
         // ciphertext
         "f5c15f941b490a748e7918f96d7614d4f7bfca6297851d989c88fb9fcedc533b",
         "f752fc7d5669b222be26163372a7",
-        "1e1372ebfd54f597ab475ef309927e62", // tag, over the empty context
+        "cb303d8c4e4b56098fa708ee589c174f", // tag, over the context "prod/keys"
     );
-    const KNOWN_RECORD_V1: &str = concat!(
+    const KNOWN_RECORD: &str = concat!(
         "01",                                               // version
         "92bfd512f7926b1d",                                 // key id
         "090909090909090909090909090909090909090909090909", // nonce

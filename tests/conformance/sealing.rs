@@ -697,3 +697,51 @@ pub async fn rotation_rolled_out_never_answers_500<H: Harness>() {
     ));
     h.finish().await;
 }
+
+/// A ring bound to a context (`KeyRing::with_context`: the deployment and table)
+/// seals records that open only under it: read by an instance whose ring holds
+/// the same keys but names another context (a row copied to another table or
+/// environment), or none, a record is never replayed and never runs again.
+/// Records sealed before the context was named still open, and `reseal` binds
+/// them to it.
+pub async fn records_open_only_in_their_context<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let in_context =
+        |context: &str| instance(&h, Sealing::On(ring(A).with_context(context.to_owned())));
+    let unbound = instance(&h, Sealing::On(ring(A)));
+    let before = send(&unbound, &Req::post("alice", "k-before", BODY)).await;
+    assert_eq!(before.status, 201);
+    let prod = in_context("prod/idempotency_keys");
+    let first = send(&prod, &Req::post("alice", "k-1", BODY)).await;
+    assert_eq!(first.status, 201);
+    let replay = send(&prod, &Req::post("alice", "k-1", BODY)).await;
+    assert_eq!(replay.body, first.body);
+    for (name, other) in [
+        ("another table", in_context("prod/other_keys")),
+        (
+            "another environment",
+            in_context("staging/idempotency_keys"),
+        ),
+        ("no context", instance(&h, Sealing::On(ring(A)))),
+    ] {
+        let got = send(&other, &Req::post("alice", "k-1", BODY)).await;
+        assert!(unreadable(&got), "{name}: {} {}", got.status, got.text());
+    }
+    // Sealed before the context was named: opens, and is bound once resealed.
+    let got = send(&prod, &Req::post("alice", "k-before", BODY)).await;
+    assert_eq!(got.body, before.body);
+    let resealer: Idempotency<H::DB> = h
+        .instance_on(h.store().pool().clone())
+        .sealing(Sealing::On(ring(A).with_context("prod/idempotency_keys")))
+        .build()
+        .expect("a store");
+    let report = resealer.reseal(Reseal::new()).await.expect("reseal");
+    assert_eq!((report.resealed, report.current), (1, 1), "{report:?}");
+    let got = send(&prod, &Req::post("alice", "k-before", BODY)).await;
+    assert_eq!(got.body, before.body);
+    assert!(unreadable(
+        &send(&unbound, &Req::post("alice", "k-before", BODY)).await
+    ));
+    assert_eq!(h.effects("alice").await, 2, "nothing ran again");
+    h.finish().await;
+}

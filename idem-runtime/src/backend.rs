@@ -375,7 +375,8 @@ impl<DB: Database> Opened<'_, DB> {
 
 /// A claim held between its commit and the handler's transaction, as a commit
 /// that stalls (a slow node, flow control) holds it: the fence at the handler's
-/// `BEGIN` is tested with it (`Idempotency::hold_after_claim`; the committed-claim designs of `crate::lease`).
+/// `BEGIN` in the committed-claim designs (`crate::lease`) is tested with it
+/// (`Idempotency::hold_after_claim`).
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 #[derive(Debug, Default)]

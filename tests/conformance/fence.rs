@@ -59,6 +59,23 @@ async fn send<H: Harness>(store: &Idempotency<H::DB>, key: &str, runs: &Arc<Atom
     }
 }
 
+/// Sends `key` through `store` in a task of its own, once its claim is held
+/// (`held` says so).
+async fn held_send<H: Harness>(
+    store: &Idempotency<H::DB>,
+    key: &str,
+    runs: &Arc<AtomicUsize>,
+    held: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Sent> {
+    let (store, key, runs) = (store.clone(), key.to_owned(), Arc::clone(runs));
+    let sent = tokio::spawn(async move { send::<H>(&store, &key, &runs).await });
+    tokio::time::timeout(Duration::from_secs(30), held)
+        .await
+        .expect("the claim is held")
+        .expect("the hold's sender");
+    sent
+}
+
 /// A claim held after its commit until another instance (on a cluster, through
 /// another node) has taken the key over and run it: released, it never runs its
 /// handler and answers the new owner's response. Held past its lock with nobody
@@ -86,14 +103,7 @@ pub async fn stalled_claims_never_start_beside_a_takeover<H: Harness>() {
 
     // 1. Taken over while the claim was held.
     let key = format!("k-stalled-{}", crate::unique_suffix());
-    let stalled = {
-        let (first, key, runs) = (first.clone(), key.clone(), Arc::clone(&runs));
-        tokio::spawn(async move { send::<H>(&first, &key, &runs).await })
-    };
-    tokio::time::timeout(Duration::from_secs(30), held)
-        .await
-        .expect("the claim is held")
-        .expect("the hold's sender");
+    let stalled = held_send::<H>(&first, &key, &runs, held).await;
     let until = Instant::now() + Duration::from_secs(30);
     let took = loop {
         let sent = send::<H>(&other, &key, &runs).await;
@@ -121,14 +131,7 @@ pub async fn stalled_claims_never_start_beside_a_takeover<H: Harness>() {
     // 2. Held past its lock, taken over by nobody.
     let (held, release) = first.hold_after_claim().expect("armed again");
     let key = format!("k-lapsed-{}", crate::unique_suffix());
-    let lapsed = {
-        let (first, key, runs) = (first.clone(), key.clone(), Arc::clone(&runs));
-        tokio::spawn(async move { send::<H>(&first, &key, &runs).await })
-    };
-    tokio::time::timeout(Duration::from_secs(30), held)
-        .await
-        .expect("the claim is held")
-        .expect("the hold's sender");
+    let lapsed = held_send::<H>(&first, &key, &runs, held).await;
     tokio::time::sleep(LOCK + Duration::from_millis(300)).await;
     let _ = release.send(());
     let lapsed = lapsed.await.expect("the lapsed request");

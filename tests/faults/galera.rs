@@ -70,6 +70,21 @@ async fn create_database(database: &str) -> Result<MySqlConnection, String> {
     Ok(first)
 }
 
+/// How many keys a scenario sends: `bounded`, or `full` with `IDEM_FAULTS=full`.
+fn scaled(bounded: u64, full: u64) -> u64 {
+    if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
+        full
+    } else {
+        bounded
+    }
+}
+
+/// The scenario's database (`create_database`) and an instance on every node.
+async fn on_every_node(database: &str) -> Result<(MySqlConnection, Vec<Proc>), String> {
+    let first = create_database(database).await?;
+    Ok((first, instances_on(&NODES, database).await?))
+}
+
 /// An instance of the suite's server on each node of `ports`.
 async fn instances_on(ports: &[u16], database: &str) -> Result<Vec<Proc>, String> {
     let mut instances = Vec::new();
@@ -259,17 +274,9 @@ pub async fn node_killed() -> Row {
         std::env::var("IDEM_GALERA_DIR").unwrap_or_else(|_| "/tmp/idem-galera".to_owned()),
     );
     let database = format!("idem_faults_galera_{}", std::process::id());
-    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
-        600
-    } else {
-        150
-    };
-    let mut first = match create_database(&database).await {
-        Ok(conn) => conn,
-        Err(error) => return row.failed(error),
-    };
-    let instances = match instances_on(&NODES, &database).await {
-        Ok(instances) => instances,
+    let keys = scaled(150, 600);
+    let (mut first, instances) = match on_every_node(&database).await {
+        Ok(set) => set,
         Err(error) => return row.failed(error),
     };
     let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();
@@ -345,11 +352,7 @@ const SKEWED: usize = 2;
 pub async fn clock_skewed() -> Row {
     let mut row = Row::new("Galera node clock 3 s ahead", Backend::MySql);
     let database = format!("idem_faults_skew_{}", std::process::id());
-    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
-        60
-    } else {
-        20
-    };
+    let keys = scaled(20, 60);
     let skewed = NODES[SKEWED];
     if let Err(error) = galera_cli(&["skew", &(SKEWED + 1).to_string(), &format!("+{SKEW_SECS}")]) {
         return row.failed(error);
@@ -513,17 +516,9 @@ const CUT: usize = 2;
 pub async fn partitioned() -> Row {
     let mut row = Row::new("Galera node cut off (partition)", Backend::MySql);
     let database = format!("idem_faults_partition_{}", std::process::id());
-    let keys: u64 = if std::env::var("IDEM_FAULTS").is_ok_and(|v| v == "full") {
-        600
-    } else {
-        300
-    };
-    let mut first = match create_database(&database).await {
-        Ok(conn) => conn,
-        Err(error) => return row.failed(error),
-    };
-    let instances = match instances_on(&NODES, &database).await {
-        Ok(instances) => instances,
+    let keys = scaled(300, 600);
+    let (mut first, instances) = match on_every_node(&database).await {
+        Ok(set) => set,
         Err(error) => return row.failed(error),
     };
     let addrs: Vec<String> = instances.iter().map(|i| i.addr.clone()).collect();

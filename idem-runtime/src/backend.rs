@@ -383,6 +383,7 @@ impl<DB: Database> Opened<'_, DB> {
 pub struct Stall(std::sync::Mutex<Option<StallHold>>);
 
 #[cfg(feature = "testing")]
+#[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
 #[derive(Debug)]
 pub(crate) struct StallHold {
     reached: tokio::sync::oneshot::Sender<()>,
@@ -411,6 +412,7 @@ impl Stall {
     }
 
     /// The armed stall, taken: the claim that takes it waits in `StallHold::wait`.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
     pub(crate) fn take(&self) -> Option<StallHold> {
         self.0.lock().ok().and_then(|mut armed| armed.take())
     }
@@ -426,6 +428,7 @@ impl StallHold {
     }
 
     /// Says the claim is committed; what is returned ends when it is let go.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
     pub(crate) fn reached(self) -> tokio::sync::oneshot::Receiver<()> {
         let _ = self.reached.send(());
         self.release

@@ -151,8 +151,9 @@ async fn effect<DB: Effects>(
         .unwrap_or("faults")
         .to_owned();
     let note = String::from_utf8_lossy(request.body()).into_owned();
-    // When the handler started and ended, if it ran: a run cut short (cancelled
-    // at its lock) ends when the request does.
+    // When the handler started and ended, if it ran: it ends when its future
+    // does, run to its end or dropped (cancelled at its lock), not when the
+    // request is answered, which may be long after on a database that stalls.
     let times: Arc<Mutex<(Option<u128>, Option<u128>)>> = Arc::default();
     let run = Arc::clone(&times);
     let noted = note.clone();
@@ -162,14 +163,9 @@ async fn effect<DB: Effects>(
                 if let Ok(mut times) = run.lock() {
                     times.0 = Some(now_us());
                 }
-                let ran = || {
-                    if let Ok(mut times) = run.lock() {
-                        times.1 = Some(now_us());
-                    }
-                };
+                let _ran = Ran(run);
                 // Per scope: the same body under two scopes is two notes.
                 if let Err(error) = DB::insert(&mut tx, &format!("{scope}|{note}")).await {
-                    ran();
                     return database_error(&error);
                 }
                 if let Ok(mut started) = STARTED.lock() {
@@ -178,7 +174,6 @@ async fn effect<DB: Effects>(
                         .insert(note.clone());
                 }
                 tokio::time::sleep(sleep).await;
-                ran();
                 let body =
                     serde_json::json!({ "scope": scope, "note": note, "pad": "x".repeat(big) });
                 (StatusCode::CREATED, body.to_string()).into_response()
@@ -195,6 +190,17 @@ async fn effect<DB: Effects>(
         runs.push((noted, began, ended.unwrap_or_else(now_us), committed));
     }
     response
+}
+
+/// Marks a handler's run ended when dropped: as its future ends, or is dropped.
+struct Ran(Arc<Mutex<(Option<u128>, Option<u128>)>>);
+
+impl Drop for Ran {
+    fn drop(&mut self) {
+        if let Ok(mut times) = self.0.lock() {
+            times.1 = Some(now_us());
+        }
+    }
 }
 
 async fn started(Path(note): Path<String>) -> StatusCode {

@@ -6,6 +6,7 @@
 //! idem forget --scope user-7 order-42    # its next request runs again
 //! idem sweep --batch 500                 # delete expired keys now
 //! IDEM_SEAL_KEYS=... idem reseal         # sealed records under the ring's first key
+//! IDEM_SEAL_KEYS=... idem audit          # rows that still need each key of the ring
 //! idem --partitioned partitions --ahead 7   # PostgreSQL, partitioned layout
 //! idem migration postgres > migrations/20261201_idempotency_keys.sql
 //! idem migration --since 1 postgres      # only what came after your first one
@@ -155,6 +156,20 @@ enum Command {
         /// instance seals new records): only where they are known to be idem's.
         #[arg(long)]
         plain: bool,
+    },
+    /// Count, per key of the ring, the stored rows that still need it.
+    ///
+    /// Completed records sealed under a key or with their fingerprint keyed
+    /// under it (`reseal` moves them to the first key), committed claims, and
+    /// rows a transaction ended behind idem's back (they hold no response to
+    /// key anew from, and leave when they expire); then records in plain text.
+    /// A key may leave the ring only once nothing needs it. Reads every row,
+    /// locks and writes nothing. Needs the ring (`IDEM_SEAL_KEYS` or
+    /// `--seal-keys-file`).
+    Audit {
+        /// Rows read per batch.
+        #[arg(long, default_value_t = 500)]
+        batch: u32,
     },
     /// Create the days ahead and drop ended days (PostgreSQL, partitioned layout).
     ///
@@ -402,9 +417,11 @@ async fn run(cli: Cli) -> Result<String, Fail> {
     let sealing = match (ring, &command) {
         (Some(ring), Command::Reseal { .. }) => Sealing::On(ring),
         (Some(ring), _) => Sealing::OpensSealed(ring),
-        (None, Command::Reseal { .. }) => {
+        (None, Command::Reseal { .. } | Command::Audit { .. }) => {
             return Err(Fail::Usage(
-                "reseal needs the key ring: set IDEM_SEAL_KEYS, or pass --seal-keys-file".into(),
+                "reseal and audit need the key ring: set IDEM_SEAL_KEYS, or pass \
+                 --seal-keys-file"
+                    .into(),
             ));
         }
         (None, _) => Sealing::Off,
@@ -488,6 +505,7 @@ async fn dispatch<DB: Backend>(store: &Idempotency<DB>, command: Command) -> Res
                 .plain(plain);
             reseal(store, settings).await
         }
+        Command::Audit { batch } => audit(store, batch).await,
         Command::Partitions { .. } => Err(Fail::Usage(
             "partitions need a PostgreSQL table of the partitioned layout".into(),
         )),
@@ -809,11 +827,44 @@ async fn reseal<DB: Backend>(store: &Idempotency<DB>, settings: Reseal) -> Resul
              expire, or restore the key they name (idem show)\n",
         );
     } else {
-        out.push_str(
-            "caught up: once no claim in flight is older than the first key's promotion, the \
-             other keys can leave the ring\n",
-        );
+        out.push_str("caught up: `idem audit` tells which of the other keys may leave the ring\n");
     }
+    Ok(out)
+}
+
+async fn audit<DB: Backend>(store: &Idempotency<DB>, batch: u32) -> Result<String, Fail> {
+    let audit = store.audit(batch).await?;
+    let mut out = String::new();
+    for (n, used) in audit.keys.iter().enumerate() {
+        let place = match (n, used.in_ring) {
+            (0, true) => "first in the ring",
+            (_, true) => "in the ring",
+            (_, false) => "not in the ring",
+        };
+        let _ = write!(
+            out,
+            "key {} ({place}): {} records, {} claims, {} ended",
+            used.id, used.records, used.claims, used.ended
+        );
+        if let Some(left) = used.ended_expire_within {
+            let _ = write!(out, " (the last expires in {} s)", left.as_secs());
+        }
+        out.push_str(match (n, used.unused()) {
+            (0, _) => "\n",
+            (_, true) => ": may leave once the longest lock has passed\n",
+            (_, false) if used.records > 0 => ": needed; run idem reseal\n",
+            (_, false) => ": needed until its claims end and its ended rows expire\n",
+        });
+    }
+    let _ = writeln!(
+        out,
+        "{} records in plain text; {} rows without a response keyed under no key of the ring; \
+         read {} rows in {:.1} s",
+        audit.plain,
+        audit.unkeyed,
+        audit.read,
+        audit.elapsed.as_secs_f64()
+    );
     Ok(out)
 }
 

@@ -140,10 +140,25 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
         bad.stderr
     );
 
-    // Re-sealing needs the ring, and then lets the old key go.
-    let none = idem(&url, &["reseal"]);
-    assert_eq!(none.code, 2);
-    assert!(none.stderr.contains("IDEM_SEAL_KEYS"), "{}", none.stderr);
+    // Re-sealing and auditing need the ring; the audit then says the old key
+    // is needed, re-sealing moves its records, and the audit lets it go.
+    for command in ["reseal", "audit"] {
+        let none = idem(&url, &[command]);
+        assert_eq!(none.code, 2);
+        assert!(none.stderr.contains("IDEM_SEAL_KEYS"), "{}", none.stderr);
+    }
+    let audit = |expect: &str| {
+        let run = idem(&url, &["--seal-keys-file", file, "audit", "--batch", "1"]);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let old = format!("key {} (in the ring): {expect}", id(OLD));
+        assert!(run.stdout.contains(&old), "{old}\n{}", run.stdout);
+        assert!(
+            run.stdout.contains("0 records in plain text") && run.stdout.contains("read 2 rows"),
+            "{}",
+            run.stdout
+        );
+    };
+    audit("2 records, 0 claims, 0 ended: needed; run idem reseal");
     let run = idem(&url, &["--seal-keys-file", file, "reseal", "--batch", "1"]);
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert!(
@@ -152,6 +167,7 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
         run.stdout
     );
     assert!(run.stdout.contains("caught up"), "{}", run.stdout);
+    audit("0 records, 0 claims, 0 ended: may leave");
     let moved = idem_with(
         &url,
         &["show", "--scope", "alice", "k-1"],

@@ -896,6 +896,12 @@ pub enum Query<'a> {
         after: Option<(&'a str, &'a str)>,
         limit: u32,
     },
+    /// Committed rows with no stored response (claims, and transaction-ended
+    /// marks), in (scope, key) order, after `after`: an audit's batch.
+    Unanswered {
+        after: Option<(&'a str, &'a str)>,
+        limit: u32,
+    },
 }
 
 /// Runs a backend's inspection query with its text parameters and decodes the rows.
@@ -1023,24 +1029,11 @@ impl Query<'_> {
                 (filter, limit, false, params)
             }
             Query::Completed { after, limit } => {
-                let mut filter = "state = 'completed' AND body IS NOT NULL".to_owned();
-                let mut params = Vec::new();
-                if let Some((scope, key)) = after {
-                    filter.push_str(&format!(
-                        " AND (scope > {} OR (scope = {} AND idempotency_key > {}))",
-                        placeholder(1),
-                        placeholder(2),
-                        placeholder(3)
-                    ));
-                    params.extend([scope, scope, key]);
-                }
-                return Parts {
-                    filter,
-                    order: "scope, idempotency_key",
-                    limit,
-                    payload: true,
-                    params,
-                };
+                let rows = "state = 'completed' AND body IS NOT NULL";
+                return Self::batch(rows, after, limit, true, placeholder);
+            }
+            Query::Unanswered { after, limit } => {
+                return Self::batch("body IS NULL", after, limit, false, placeholder);
             }
             Query::Key { scope, key } => (
                 format!(
@@ -1066,6 +1059,36 @@ impl Query<'_> {
         Parts {
             filter,
             order: by_age,
+            limit,
+            payload,
+            params,
+        }
+    }
+
+    /// A batch of the rows matching `rows` after `after`, in (scope, key) order;
+    /// with their stored responses where `payload`.
+    #[cfg(any(feature = "mysql", feature = "postgres", feature = "sqlite"))]
+    fn batch<'p>(
+        rows: &str,
+        after: Option<(&'p str, &'p str)>,
+        limit: u32,
+        payload: bool,
+        placeholder: impl Fn(usize) -> String,
+    ) -> Parts<'p> {
+        let mut filter = rows.to_owned();
+        let mut params = Vec::new();
+        if let Some((scope, key)) = after {
+            filter.push_str(&format!(
+                " AND (scope > {} OR (scope = {} AND idempotency_key > {}))",
+                placeholder(1),
+                placeholder(2),
+                placeholder(3)
+            ));
+            params.extend([scope, scope, key]);
+        }
+        Parts {
+            filter,
+            order: "scope, idempotency_key",
             limit,
             payload,
             params,

@@ -59,7 +59,7 @@ pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use options::{InvalidOptions, Options};
 pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};
-pub use reseal::{Reseal, ResealReport};
+pub use reseal::{KeyUse, Reseal, ResealReport, SealAudit};
 pub use scope::Scope;
 #[cfg(feature = "sea-orm")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sea-orm")))]

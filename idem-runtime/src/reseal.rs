@@ -101,6 +101,88 @@ pub struct ResealReport {
     pub elapsed: Duration,
 }
 
+/// What the stored rows still hold under each key: what [`Idempotency::audit`]
+/// found. A key may leave the ring once [`KeyUse::unused`] says so.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SealAudit {
+    /// Each key of the ring in its order, then each key that sealed a stored
+    /// record and is not in the ring.
+    pub keys: Vec<KeyUse>,
+    /// Completed records in plain text.
+    pub plain: u64,
+    /// Rows holding no response whose fingerprint no key of the ring keyed:
+    /// written while nothing was sealed, or keyed under a key that has left.
+    pub unkeyed: u64,
+    /// Completed rows past their expiry, which need no key: their next
+    /// request runs anew, and the sweep deletes them.
+    pub expired: u64,
+    /// Rows read.
+    pub read: u64,
+    /// How long it took.
+    pub elapsed: Duration,
+}
+
+impl SealAudit {
+    /// What the rows hold under `id`, if it is in the ring or sealed a record.
+    pub fn key(&self, id: KeyId) -> Option<&KeyUse> {
+        self.keys.iter().find(|used| used.id == id)
+    }
+
+    fn entry(&mut self, id: KeyId) -> &mut KeyUse {
+        let at = match self.keys.iter().position(|used| used.id == id) {
+            Some(at) => at,
+            None => {
+                self.keys.push(KeyUse::new(id, false));
+                self.keys.len() - 1
+            }
+        };
+        &mut self.keys[at]
+    }
+}
+
+/// The rows that still need one key (see [`SealAudit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyUse {
+    /// The key.
+    pub id: KeyId,
+    /// Whether the audited ring holds it.
+    pub in_ring: bool,
+    /// Completed records sealed under it, or whose fingerprint it keyed:
+    /// [`Idempotency::reseal`] moves them to the ring's first key.
+    pub records: u64,
+    /// Committed claims whose fingerprint it keyed; they end within their
+    /// lock. Claims whose transaction has not committed (on PostgreSQL and
+    /// standalone MySQL, every claim in flight) are not seen.
+    pub claims: u64,
+    /// Rows whose transaction the database ended behind idem's back
+    /// (`transaction-ended`) with their fingerprint keyed under it: they hold
+    /// no response to key anew from, and leave when they expire.
+    pub ended: u64,
+    /// How long until the last of those `ended` rows expires.
+    pub ended_expire_within: Option<Duration>,
+}
+
+impl KeyUse {
+    fn new(id: KeyId, in_ring: bool) -> Self {
+        Self {
+            id,
+            in_ring,
+            records: 0,
+            claims: 0,
+            ended: 0,
+            ended_expire_within: None,
+        }
+    }
+
+    /// Whether no row read needs this key: it may leave the ring, once no claim
+    /// in flight is older than the audit (wait out the longest `lock`).
+    pub fn unused(&self) -> bool {
+        self.records == 0 && self.claims == 0 && self.ended == 0
+    }
+}
+
 /// What a record needs.
 enum Next {
     Current,
@@ -198,6 +280,121 @@ impl<DB: Backend> Idempotency<DB> {
         }
         report.elapsed = started.elapsed();
         Ok(report)
+    }
+}
+
+impl<DB: Backend> Idempotency<DB> {
+    /// Counts, for each key of the store's ring, the stored rows that still
+    /// need it, and the rows in plain text: a key may leave the ring only once
+    /// no row needs it ([`KeyUse::unused`]). Reads every row in batches of
+    /// `batch` that lock nothing, and writes nothing. The `idem audit` command
+    /// calls this.
+    ///
+    /// # Errors
+    ///
+    /// A store without a ring ([`Sealing::Off`](crate::Sealing::Off)): a
+    /// configuration error, nothing read; any database error.
+    ///
+    /// # Examples
+    ///
+    /// ```rust,no_run
+    /// # extern crate idem_runtime as idem_axum;
+    /// # async fn demo<DB: idem_axum::Backend>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_axum::{Idempotency, KeyRing, Sealing};
+    ///
+    /// // After `reseal`: may the old key (second in the ring) leave?
+    /// let ring = KeyRing::from_base64(&std::env::var("SEAL_KEYS")?)?;
+    /// let old = ring.ids().nth(1).ok_or("a ring of one key")?;
+    /// let store = Idempotency::builder(pool).sealing(Sealing::On(ring)).build()?;
+    /// let audit = store.audit(500).await?;
+    /// let leaving = audit.key(old).ok_or("not in the ring")?;
+    /// if !leaving.unused() {
+    ///     println!("{} rows still need it", leaving.records + leaving.claims + leaving.ended);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn audit(&self, batch: u32) -> Result<SealAudit, sqlx::Error> {
+        let Some(ring) = self.inner().sealing.ring() else {
+            return Err(sqlx::Error::Configuration(
+                "an audit needs the key ring: a store built with Builder::sealing".into(),
+            ));
+        };
+        let started = Instant::now();
+        let batch = batch.max(1);
+        let mut audit = SealAudit {
+            keys: ring.ids().map(|id| KeyUse::new(id, true)).collect(),
+            ..SealAudit::default()
+        };
+        for answered in [true, false] {
+            let mut after: Option<(String, String)> = None;
+            loop {
+                let after_ref = after.as_ref().map(|(s, k)| (s.as_str(), k.as_str()));
+                let query = if answered {
+                    Query::Completed {
+                        after: after_ref,
+                        limit: batch,
+                    }
+                } else {
+                    Query::Unanswered {
+                        after: after_ref,
+                        limit: batch,
+                    }
+                };
+                let rows = {
+                    let mut conn = self.inner().pool.acquire().await?;
+                    DB::idem_inspect(&mut conn, &self.inner().sql, &query).await?
+                };
+                for record in &rows {
+                    audit.read += 1;
+                    count(&mut audit, ring, record, answered);
+                }
+                if rows.len() < batch as usize {
+                    break;
+                }
+                after = rows.last().map(|r| (r.scope.clone(), r.key.clone()));
+            }
+        }
+        audit.elapsed = started.elapsed();
+        Ok(audit)
+    }
+}
+
+/// Adds `record` (one holding a response where `answered`) to `audit`.
+fn count(audit: &mut SealAudit, ring: &KeyRing, record: &KeyRecord, answered: bool) {
+    if record.state == "completed" && record.expires_in_ms <= 0 {
+        audit.expired += 1;
+        return;
+    }
+    let keyed_by = ring
+        .keyed(&record.fingerprint)
+        .then(|| KeyId::try_from(&record.fingerprint[..8]).ok())
+        .flatten();
+    if answered {
+        let sealed_by = (record.status == Some(0))
+            .then(|| crate::seal::sealed_by(&record.body))
+            .flatten();
+        if sealed_by.is_none() {
+            audit.plain += 1;
+        }
+        for id in [sealed_by, keyed_by.filter(|id| Some(*id) != sealed_by)]
+            .into_iter()
+            .flatten()
+        {
+            audit.entry(id).records += 1;
+        }
+        return;
+    }
+    let Some(id) = keyed_by else {
+        audit.unkeyed += 1;
+        return;
+    };
+    let used = audit.entry(id);
+    if record.state == "processing" {
+        used.claims += 1;
+    } else {
+        used.ended += 1;
+        let left = Duration::from_millis(u64::try_from(record.expires_in_ms).unwrap_or(0));
+        used.ended_expire_within = used.ended_expire_within.max(Some(left));
     }
 }
 

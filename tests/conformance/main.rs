@@ -86,11 +86,11 @@ use realistic::{
     storms_over_two_instances_execute_each_key_once,
 };
 use sealing::{
-    changed_records_are_never_replayed, downgraded_records_are_never_replayed,
-    fingerprints_of_a_retired_key_are_never_another_body, records_open_only_in_their_context,
-    reseal_lets_an_old_key_leave_the_ring, rotation_keeps_every_key_answered,
-    rotation_rolled_out_never_answers_500, sealed_records_replay_and_hold_no_plaintext,
-    sealing_turns_on_and_off_without_losing_keys,
+    audit_counts_what_each_key_still_holds, changed_records_are_never_replayed,
+    downgraded_records_are_never_replayed, fingerprints_of_a_retired_key_are_never_another_body,
+    records_open_only_in_their_context, reseal_lets_an_old_key_leave_the_ring,
+    rotation_keeps_every_key_answered, rotation_rolled_out_never_answers_500,
+    sealed_records_replay_and_hold_no_plaintext, sealing_turns_on_and_off_without_losing_keys,
 };
 use session::{
     duplicates_never_run_while_a_handler_has_ended_its_transaction,
@@ -1423,4 +1423,5 @@ conformance!(
     fingerprints_of_a_retired_key_are_never_another_body,
     rotation_rolled_out_never_answers_500,
     records_open_only_in_their_context,
+    audit_counts_what_each_key_still_holds,
 );

@@ -631,6 +631,120 @@ pub async fn fingerprints_of_a_retired_key_are_never_another_body<H: Harness>() 
     h.finish().await;
 }
 
+/// `audit` counts, per key of the ring, the rows that still need it, so that a
+/// key leaves only at zero: before `reseal` the old key holds its records (and,
+/// where claims commit first, the claim in flight); after it, the
+/// transaction-ended row, which holds no response to key anew from, until that
+/// row is gone. A ring without the old key names it from the records it
+/// sealed, and counts the ended row as keyed under no key of the ring.
+pub async fn audit_counts_what_each_key_still_holds<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let old = instance(&h, Sealing::On(ring(B)));
+    for key in ["k-1", "k-2", "k-3"] {
+        let got = send(&old, &Req::post("alice", key, BODY)).await;
+        assert_eq!(got.status, 201, "{key}");
+    }
+    let short = Req::post("alice", "k-ended", BODY)
+        .header("x-ttl-ms", 6000)
+        .header("x-lock-ms", 2000);
+    assert_eq!(send(&old, &short).await.status, 201);
+    let plain = send(
+        &instance(&h, Sealing::Off),
+        &Req::post("alice", "k-plain", BODY),
+    )
+    .await;
+    assert_eq!(plain.status, 201);
+    let rows = h.key_rows("alice").await;
+    let (_, recorded) = rows
+        .into_iter()
+        .find(|(k, _)| k == "k-ended")
+        .expect("its row");
+    let ended = KeyRow {
+        status: Some(500),
+        headers: None,
+        body: None,
+        ..recorded
+    };
+    h.rewrite_row("alice", "k-ended", &ended).await;
+
+    let store = |keys: &str| -> Idempotency<H::DB> {
+        h.instance_on(h.store().pool().clone())
+            .sealing(Sealing::On(ring(keys)))
+            .build()
+            .expect("a store")
+    };
+    let refused = h.store().audit(10).await.expect_err("no ring");
+    assert!(refused.to_string().contains("key ring"), "{refused}");
+    let auditor = store(&format!("{A},{B}"));
+    let (new_id, old_id) = (ring(A).ids().next(), ring(B).ids().next());
+    let (new_id, old_id) = (new_id.expect("a key"), old_id.expect("a key"));
+
+    let before = auditor.audit(2).await.expect("audit");
+    assert_eq!(
+        (before.read, before.plain, before.unkeyed),
+        (5, 1, 0),
+        "{before:?}"
+    );
+    assert_eq!(before.keys.len(), 2, "{before:?}");
+    assert!(before.key(new_id).is_some_and(|k| k.in_ring && k.unused()));
+    let used = before.key(old_id).expect("the old key");
+    assert_eq!(
+        (used.records, used.claims, used.ended),
+        (3, 0, 1),
+        "{used:?}"
+    );
+    let within = used.ended_expire_within.expect("when it expires");
+    assert!(within <= std::time::Duration::from_secs(6), "{within:?}");
+    // Without the old key: its records are named by the key that sealed them.
+    let blind = store(A).audit(100).await.expect("audit");
+    let gone = blind.key(old_id).expect("named by its records");
+    assert!(!gone.in_ring, "{gone:?}");
+    assert_eq!(
+        (gone.records, gone.ended, blind.unkeyed),
+        (3, 0, 1),
+        "{blind:?}"
+    );
+
+    // A claim in flight keyed under the old key, held at a gate.
+    let key = format!("k-live-{}", crate::unique_suffix());
+    let held = {
+        let (old, req) = (
+            old.clone(),
+            Req::post("alice", &key, BODY).header("x-gate", &key),
+        );
+        tokio::spawn(async move { send(&old, &req).await })
+    };
+    crate::await_started(&key).await;
+    let during = auditor.audit(100).await;
+    crate::app::open_gate(&key);
+    let during = during.expect("audit");
+    let claims = during.key(old_id).expect("the old key").claims;
+    let seen = u64::from(h.claims_commit_first());
+    assert_eq!(claims, seen, "committed claims are counted: {during:?}");
+    assert_eq!(held.await.expect("the held request").status, 201);
+
+    let report = auditor.reseal(Reseal::new()).await.expect("reseal");
+    assert!(report.caught_up && report.resealed == 4, "{report:?}");
+    let after = auditor.audit(100).await.expect("audit");
+    let used = after.key(old_id).expect("the old key");
+    assert_eq!(
+        (used.records, used.claims, used.ended),
+        (0, 0, 1),
+        "{used:?}"
+    );
+    assert!(!used.unused(), "its ended row still needs it");
+    assert_eq!(after.key(new_id).map(|k| k.records), Some(4));
+    assert_eq!(after.plain, 1);
+
+    // Once the ended row has expired (when the audit said), nothing needs the key.
+    let left = used.ended_expire_within.expect("when it expires");
+    tokio::time::sleep(left + std::time::Duration::from_millis(200)).await;
+    let last = auditor.audit(100).await.expect("audit");
+    assert!(last.key(old_id).is_some_and(|k| k.unused()), "{last:?}");
+    assert_eq!(last.expired, 1, "{last:?}");
+    h.finish().await;
+}
+
 /// A rotation rolled out instance by instance, in the runbook's steps: the new
 /// key added last (it opens and matches, the first key still seals), then
 /// promoted first, then (after `reseal`) the old key removed. At every step two

@@ -373,17 +373,18 @@ impl<DB: Database> Opened<'_, DB> {
     }
 }
 
-/// A claim held between its commit and the handler's transaction, as a commit
-/// that stalls (a slow node, flow control) holds it: the fence at the handler's
-/// `BEGIN` in the committed-claim designs (`crate::lease`) is tested with it
-/// (`Idempotency::hold_after_claim`).
+/// One execution held where a test asks, until it is let go: a claim between its
+/// commit and the handler's transaction, as a commit that stalls (a slow node,
+/// flow control) holds it, to test the fence at the handler's `BEGIN` in the
+/// committed-claim designs (`crate::lease`, `Idempotency::hold_after_claim`);
+/// an execution in flight (`ExactlyOnce`'s hold, `crate::testing`).
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 #[derive(Debug, Default)]
 pub struct Stall(std::sync::Mutex<Option<StallHold>>);
 
+/// An armed [`Stall`], taken by the execution it holds.
 #[cfg(feature = "testing")]
-#[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
 #[derive(Debug)]
 pub(crate) struct StallHold {
     reached: tokio::sync::oneshot::Sender<()>,
@@ -392,8 +393,8 @@ pub(crate) struct StallHold {
 
 #[cfg(feature = "testing")]
 impl Stall {
-    /// Arms the stall for the next claim: the receiver says it is held, the
-    /// sender lets it go.
+    /// Arms the stall for the next execution to reach it: the receiver says it
+    /// is held, the sender lets it go (as does dropping it).
     pub(crate) fn arm(
         &self,
     ) -> (
@@ -411,8 +412,7 @@ impl Stall {
         (is_reached, release)
     }
 
-    /// The armed stall, taken: the claim that takes it waits in `StallHold::wait`.
-    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    /// The armed stall, taken (and so disarmed).
     pub(crate) fn take(&self) -> Option<StallHold> {
         self.0.lock().ok().and_then(|mut armed| armed.take())
     }
@@ -420,15 +420,13 @@ impl Stall {
 
 #[cfg(feature = "testing")]
 impl StallHold {
-    /// Says the claim is committed, then waits to be let go (a minute at most).
-    #[cfg(feature = "sqlite")]
-    pub(crate) async fn wait(self) {
+    /// Says the execution is held, then waits to be let go, `bound` at most.
+    pub(crate) async fn wait(self, bound: std::time::Duration) {
         let released = self.reached();
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(60), released).await;
+        let _ = tokio::time::timeout(bound, released).await;
     }
 
-    /// Says the claim is committed; what is returned ends when it is let go.
-    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    /// Says the execution is held; what is returned ends when it is let go.
     pub(crate) fn reached(self) -> tokio::sync::oneshot::Receiver<()> {
         let _ = self.reached.send(());
         self.release

@@ -180,7 +180,7 @@ impl Driver for Sqlite {
         };
         #[cfg(feature = "testing")]
         if let Some(hold) = sql.stall.take() {
-            hold.wait().await;
+            hold.wait(std::time::Duration::from_secs(60)).await;
         }
         // The handler starts only while the claim holds (`lease::holds`). A
         // takeover needs the claim's lock to have passed by the wall clock this

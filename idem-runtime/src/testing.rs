@@ -80,7 +80,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::{Pin, pin};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -619,15 +618,7 @@ pub(crate) struct Hooks {
     /// Keyed requests that reached the store.
     arrivals: AtomicU64,
     /// The next execution to reach `hold_here` waits there.
-    hold: Mutex<Option<Hold>>,
-}
-
-/// An execution held in flight: `reached` is sent when it gets there, and it goes
-/// on when `release` is (or is dropped).
-#[derive(Debug)]
-struct Hold {
-    reached: oneshot::Sender<()>,
-    release: oneshot::Receiver<()>,
+    hold: crate::backend::Stall,
 }
 
 impl Hooks {
@@ -658,21 +649,11 @@ impl Hooks {
     /// Arms the hold for the next execution: the first receiver says it is held,
     /// the sender lets it go.
     fn hold_next(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
-        let (reached, is_reached) = oneshot::channel();
-        let (release, released) = oneshot::channel();
-        if let Ok(mut hold) = self.hold.lock() {
-            *hold = Some(Hold {
-                reached,
-                release: released,
-            });
-        }
-        (is_reached, release)
+        self.hold.arm()
     }
 
     fn unhold(&self) {
-        if let Ok(mut hold) = self.hold.lock() {
-            hold.take();
-        }
+        self.hold.take();
     }
 
     /// Where the engine holds an execution, if one is asked for: until released,
@@ -681,10 +662,8 @@ impl Hooks {
         if !self.watched.load(Ordering::Relaxed) {
             return;
         }
-        let hold = self.hold.lock().ok().and_then(|mut hold| hold.take());
-        if let Some(hold) = hold {
-            let _ = hold.reached.send(());
-            let _ = tokio::time::timeout(bound, hold.release).await;
+        if let Some(hold) = self.hold.take() {
+            hold.wait(bound).await;
         }
     }
 }

@@ -1,9 +1,7 @@
 //! The operator's view of the key table: what is in flight, what is stuck, and
 //! what one key holds.
 
-use std::fmt;
-
-use crate::backend::{Backend, KeyRecord, Query};
+use crate::backend::{Backend, Forgotten, InFlight, KeyRecord, Query};
 use crate::seal::{Unreadable, sealed_by};
 use crate::signal::key_digest;
 use crate::store::Idempotency;
@@ -192,49 +190,4 @@ impl<DB: Backend> Idempotency<DB> {
         record.headers.clear();
         record.body.clear();
     }
-}
-
-/// What [`Idempotency::forget`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Forgotten {
-    /// The completed record was deleted: the next request with the key runs the
-    /// handler again.
-    Deleted,
-    /// An executor holds the key (a claim, live or stuck, or a transaction that
-    /// has not ended): nothing was deleted. Once it has completed, forget again.
-    InFlight,
-    /// The scope holds no record of the key: nothing was deleted.
-    NotFound,
-    /// The record read was replaced before it could be deleted (the key expired
-    /// and ran again meanwhile): nothing was deleted. Look at it again.
-    Changed,
-}
-
-impl fmt::Display for Forgotten {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Deleted => "deleted",
-            Self::InFlight => "in flight, not deleted",
-            Self::NotFound => "no record, nothing deleted",
-            Self::Changed => "replaced while being deleted, not deleted",
-        })
-    }
-}
-
-/// A key an executor holds right now, as [`Idempotency::in_flight`] finds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct InFlight {
-    /// The database session executing it: PostgreSQL's backend process id,
-    /// MySQL's connection id (`KILL` ends it); `None` on SQLite, whose claim is a
-    /// committed row.
-    pub session: Option<i64>,
-    /// Milliseconds since it was claimed: on PostgreSQL and MySQL, since its
-    /// transaction began, where the database shows it (PostgreSQL: to roles
-    /// allowed to see that session; MySQL: to users with the `PROCESS` privilege).
-    pub age_ms: Option<i64>,
-    /// Milliseconds left on its lock; negative once it has passed (stuck). Known
-    /// where the claim's row can be read before it commits: SQLite, MySQL.
-    pub lock_left_ms: Option<i64>,
 }

@@ -32,11 +32,11 @@
 //!    `docs/guarantees.md`, and what it needs in `docs/deployment.md`.
 #![allow(unreachable_pub)]
 
+use std::fmt;
 use std::future::Future;
 
 use sqlx::{Database, Transaction};
 
-use crate::admin::{Forgotten, InFlight};
 use crate::seal::{KeyId, KeyRing, Unreadable};
 use crate::tx::Adopted;
 
@@ -373,66 +373,6 @@ impl<DB: Database> Opened<'_, DB> {
     }
 }
 
-/// One execution held where a test asks, until it is let go: a claim between its
-/// commit and the handler's transaction, as a commit that stalls (a slow node,
-/// flow control) holds it, to test the fence at the handler's `BEGIN` in the
-/// committed-claim designs (`crate::lease`, `Idempotency::hold_after_claim`);
-/// an execution in flight (`ExactlyOnce`'s hold, `crate::testing`).
-#[cfg(feature = "testing")]
-#[doc(hidden)]
-#[derive(Debug, Default)]
-pub struct Stall(std::sync::Mutex<Option<StallHold>>);
-
-/// An armed [`Stall`], taken by the execution it holds.
-#[cfg(feature = "testing")]
-#[derive(Debug)]
-pub(crate) struct StallHold {
-    reached: tokio::sync::oneshot::Sender<()>,
-    release: tokio::sync::oneshot::Receiver<()>,
-}
-
-#[cfg(feature = "testing")]
-impl Stall {
-    /// Arms the stall for the next execution to reach it: the receiver says it
-    /// is held, the sender lets it go (as does dropping it).
-    pub(crate) fn arm(
-        &self,
-    ) -> (
-        tokio::sync::oneshot::Receiver<()>,
-        tokio::sync::oneshot::Sender<()>,
-    ) {
-        let (reached, is_reached) = tokio::sync::oneshot::channel();
-        let (release, released) = tokio::sync::oneshot::channel();
-        if let Ok(mut armed) = self.0.lock() {
-            *armed = Some(StallHold {
-                reached,
-                release: released,
-            });
-        }
-        (is_reached, release)
-    }
-
-    /// The armed stall, taken (and so disarmed).
-    pub(crate) fn take(&self) -> Option<StallHold> {
-        self.0.lock().ok().and_then(|mut armed| armed.take())
-    }
-}
-
-#[cfg(feature = "testing")]
-impl StallHold {
-    /// Says the execution is held, then waits to be let go, `bound` at most.
-    pub(crate) async fn wait(self, bound: std::time::Duration) {
-        let released = self.reached();
-        let _ = tokio::time::timeout(bound, released).await;
-    }
-
-    /// Says the execution is held; what is returned ends when it is let go.
-    pub(crate) fn reached(self) -> tokio::sync::oneshot::Receiver<()> {
-        let _ = self.reached.send(());
-        self.release
-    }
-}
-
 /// Reads (scope, key) outside any transaction, and claims it only if absent: one
 /// round trip for a key that is stored, an extra one for a new key.
 pub(crate) async fn look_then_claim<'c, DB: enabled::Driver>(
@@ -729,7 +669,7 @@ pub mod enabled {
         /// claim is inside that transaction and there is no gap.
         #[cfg(feature = "testing")]
         #[doc(hidden)]
-        fn idem_testing_stall(sql: &Self::IdemSql) -> Option<&Stall> {
+        fn idem_testing_stall(sql: &Self::IdemSql) -> Option<&crate::hooks::Stall> {
             let _ = sql;
             None
         }
@@ -863,6 +803,51 @@ impl KeyRecord {
             fingerprint: &self.fingerprint,
         }
     }
+}
+
+/// What [`Idempotency::forget`](crate::Idempotency::forget) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Forgotten {
+    /// The completed record was deleted: the next request with the key runs the
+    /// handler again.
+    Deleted,
+    /// An executor holds the key (a claim, live or stuck, or a transaction that
+    /// has not ended): nothing was deleted. Once it has completed, forget again.
+    InFlight,
+    /// The scope holds no record of the key: nothing was deleted.
+    NotFound,
+    /// The record read was replaced before it could be deleted (the key expired
+    /// and ran again meanwhile): nothing was deleted. Look at it again.
+    Changed,
+}
+
+impl fmt::Display for Forgotten {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Deleted => "deleted",
+            Self::InFlight => "in flight, not deleted",
+            Self::NotFound => "no record, nothing deleted",
+            Self::Changed => "replaced while being deleted, not deleted",
+        })
+    }
+}
+
+/// A key an executor holds right now, as [`Idempotency::in_flight`](crate::Idempotency::in_flight) finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InFlight {
+    /// The database session executing it: PostgreSQL's backend process id,
+    /// MySQL's connection id (`KILL` ends it); `None` on SQLite, whose claim is a
+    /// committed row.
+    pub session: Option<i64>,
+    /// Milliseconds since it was claimed: on PostgreSQL and MySQL, since its
+    /// transaction began, where the database shows it (PostgreSQL: to roles
+    /// allowed to see that session; MySQL: to users with the `PROCESS` privilege).
+    pub age_ms: Option<i64>,
+    /// Milliseconds left on its lock; negative once it has passed (stuck). Known
+    /// where the claim's row can be read before it commits: SQLite, MySQL.
+    pub lock_left_ms: Option<i64>,
 }
 
 /// A record sealed anew, to write over the one read.

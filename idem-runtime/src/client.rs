@@ -60,8 +60,8 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::engine::random_u64;
 use crate::key::IDEMPOTENCY_KEY;
+use crate::random::random_u64;
 use crate::record::IDEMPOTENT_REPLAYED;
 
 #[cfg(feature = "reqwest")]

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Connection as _, Database};
 
-use crate::admin::{Forgotten, InFlight};
+use crate::backend::{Forgotten, InFlight};
 
 /// How a database spells the clock and the times the key table holds.
 pub(crate) struct Dialect {

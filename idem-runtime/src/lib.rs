@@ -12,7 +12,10 @@ mod backend;
 mod cache;
 #[cfg(feature = "client")]
 pub mod client;
+mod digest;
 mod engine;
+#[cfg(feature = "testing")]
+mod hooks;
 mod json;
 mod key;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
@@ -24,6 +27,7 @@ mod multipart;
 mod openapi;
 mod options;
 mod problem;
+mod random;
 mod record;
 mod reseal;
 mod scope;
@@ -50,10 +54,11 @@ pub use partitions::Partitions;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use admin::{Forgotten, InFlight};
 pub use backend::Backend;
 pub use backend::KeyRecord;
-pub use engine::{HandlerFuture, Outcome, RequestIdentity, fingerprint};
+pub use backend::{Forgotten, InFlight};
+pub use digest::fingerprint;
+pub use engine::{HandlerFuture, Outcome, RequestIdentity};
 pub use json::{InvalidJson, json_fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use options::{InvalidOptions, Options};

@@ -14,11 +14,11 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, Row as _, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
-use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written,
     enabled::Driver,
 };
+use crate::backend::{Forgotten, InFlight};
 use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch};
 use crate::key::to_hex;
 use crate::lease;
@@ -70,7 +70,7 @@ pub struct Sql {
     mode: OnceLock<Option<cluster::Sql>>,
     /// The cluster mode's claim held after its commit, for the fence's tests.
     #[cfg(feature = "testing")]
-    stall: crate::backend::Stall,
+    stall: crate::hooks::Stall,
 }
 
 impl Sql {
@@ -311,7 +311,7 @@ impl Driver for MySql {
             galera: layout.galera,
             mode: OnceLock::new(),
             #[cfg(feature = "testing")]
-            stall: crate::backend::Stall::default(),
+            stall: crate::hooks::Stall::default(),
         }
     }
 
@@ -577,7 +577,7 @@ impl Driver for MySql {
     }
 
     #[cfg(feature = "testing")]
-    fn idem_testing_stall(sql: &Sql) -> Option<&crate::backend::Stall> {
+    fn idem_testing_stall(sql: &Sql) -> Option<&crate::hooks::Stall> {
         // Only the cluster mode commits its claim before the handler's
         // transaction; known after the store's first request.
         sql.known().map(|_| &sql.stall)

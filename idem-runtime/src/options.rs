@@ -203,7 +203,7 @@ impl Options {
     pub fn fingerprint(&self, body: &[u8]) -> Result<[u8; 32], crate::InvalidJson> {
         match self.json {
             Some(ignore) => crate::json_fingerprint(body, ignore),
-            None => Ok(crate::fingerprint(body)),
+            None => Ok(crate::digest::fingerprint(body)),
         }
     }
 

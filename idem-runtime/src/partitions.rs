@@ -233,7 +233,7 @@ impl Tries {
             return false;
         }
         self.count += 1;
-        let spread = crate::engine::random_u64() % 200;
+        let spread = crate::random::random_u64() % 200;
         tokio::time::sleep(Duration::from_millis(50 + spread)).await;
         true
     }

@@ -14,11 +14,11 @@ use sqlx_core::transaction::TransactionManager as _;
 use tokio::sync::broadcast::WeakSender;
 use tokio::sync::oneshot;
 
-use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Applied, Claim, Found, Identity, Layout, Migration, Opened, Recorded, Written, enabled::Driver,
     look_then_claim,
 };
+use crate::backend::{Forgotten, InFlight};
 use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch, reseal_each};
 use crate::partitions::{
     BEGIN_READ_COMMITTED, Budget, Day, DaySpec, UPGRADE_3, attach_day, read_committed,

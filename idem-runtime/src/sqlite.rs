@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, SqliteConnection, Transaction};
 use sqlx_core::transaction::TransactionManager as _;
 
-use crate::admin::{Forgotten, InFlight};
 use crate::backend::{
     Again, Applied, Claim, Found, Identity, Layout, Migration, Recorded, Written, enabled::Driver,
 };
+use crate::backend::{Forgotten, InFlight};
 use crate::backend::{KeyRecord, Parts, Query, Resealed, fetch, reseal_each};
 use crate::lease::{self, Dialect, Statements};
 use crate::tx::{Adopted, Open};
@@ -53,7 +53,7 @@ pub struct Sql {
     deferred_now: std::sync::atomic::AtomicBool,
     /// The claim held after its commit, for the fence's tests.
     #[cfg(feature = "testing")]
-    stall: crate::backend::Stall,
+    stall: crate::hooks::Stall,
     /// The key table, in the `main` schema: a temporary table or view of the
     /// same name, which a handler may create, comes before `main` otherwise.
     table: Box<str>,
@@ -120,7 +120,7 @@ impl Driver for Sqlite {
             #[cfg(feature = "testing")]
             deferred_now: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "testing")]
-            stall: crate::backend::Stall::default(),
+            stall: crate::hooks::Stall::default(),
         }
     }
 
@@ -349,7 +349,7 @@ impl Driver for Sqlite {
     }
 
     #[cfg(feature = "testing")]
-    fn idem_testing_stall(sql: &Sql) -> Option<&crate::backend::Stall> {
+    fn idem_testing_stall(sql: &Sql) -> Option<&crate::hooks::Stall> {
         Some(&sql.stall)
     }
 

@@ -92,7 +92,7 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) lifecycle: Arc<Lifecycle>,
     /// What `testing::ExactlyOnce` steers and watches.
     #[cfg(feature = "testing")]
-    pub(crate) hooks: crate::testing::Hooks,
+    pub(crate) hooks: crate::hooks::Hooks,
 }
 
 impl<DB> Clone for Idempotency<DB> {
@@ -420,7 +420,7 @@ impl<DB: Backend> Builder<DB> {
                 signals: Signals::new(),
                 lifecycle: Arc::new(Lifecycle::new()),
                 #[cfg(feature = "testing")]
-                hooks: crate::testing::Hooks::default(),
+                hooks: crate::hooks::Hooks::default(),
             }),
         }
     }

@@ -80,7 +80,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::{Pin, pin};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -92,6 +92,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower_service::Service as _;
 
+use crate::hooks::Hooks;
 use crate::{Backend, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 
 type Count = Box<dyn Fn() -> Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
@@ -608,66 +609,6 @@ impl<DB: Backend> Probe for Idempotency<DB> {
     }
 }
 
-/// What [`ExactlyOnce`] steers and watches in the engine of a store.
-#[derive(Debug, Default)]
-pub(crate) struct Hooks {
-    /// Set once a kit watches the store: until then the engine's requests pay
-    /// one load here, not a shared count or a lock (benchmarks build this feature).
-    watched: AtomicBool,
-    failing_records: AtomicBool,
-    /// Keyed requests that reached the store.
-    arrivals: AtomicU64,
-    /// The next execution to reach `hold_here` waits there.
-    hold: crate::backend::Stall,
-}
-
-impl Hooks {
-    /// Whether records fail as if the database had refused them: the handler's
-    /// transaction then rolls back.
-    pub(crate) fn records_fail(&self) -> bool {
-        self.failing_records.load(Ordering::SeqCst)
-    }
-
-    fn fail_records(&self, on: bool) {
-        self.failing_records.store(on, Ordering::SeqCst);
-    }
-
-    fn watch(&self) {
-        self.watched.store(true, Ordering::SeqCst);
-    }
-
-    pub(crate) fn arrived(&self) {
-        if self.watched.load(Ordering::Relaxed) {
-            self.arrivals.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn arrivals(&self) -> u64 {
-        self.arrivals.load(Ordering::SeqCst)
-    }
-
-    /// Arms the hold for the next execution: the first receiver says it is held,
-    /// the sender lets it go.
-    fn hold_next(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
-        self.hold.arm()
-    }
-
-    fn unhold(&self) {
-        self.hold.take();
-    }
-
-    /// Where the engine holds an execution, if one is asked for: until released,
-    /// and never longer than `bound` (half its lock, which goes on running).
-    pub(crate) async fn hold_here(&self, bound: Duration) {
-        if !self.watched.load(Ordering::Relaxed) {
-            return;
-        }
-        if let Some(hold) = self.hold.take() {
-            hold.wait(bound).await;
-        }
-    }
-}
-
 /// One response, read whole.
 struct Answer {
     key: String,
@@ -693,7 +634,7 @@ fn fresh_key() -> String {
     format!(
         "idem-testing-{}-{n}-{:016x}",
         std::process::id(),
-        crate::engine::random_u64()
+        crate::random::random_u64()
     )
 }
 
@@ -705,6 +646,6 @@ impl<DB: Backend> Idempotency<DB> {
     /// mode is not known yet (MySQL, before the store's first request).
     #[doc(hidden)]
     pub fn hold_after_claim(&self) -> Option<(oneshot::Receiver<()>, oneshot::Sender<()>)> {
-        DB::idem_testing_stall(&self.inner().sql).map(crate::backend::Stall::arm)
+        DB::idem_testing_stall(&self.inner().sql).map(crate::hooks::Stall::arm)
     }
 }

@@ -315,7 +315,7 @@ async fn open_stalled<'c>(
     cluster: &'c Sql,
     id: &'c Identity<'c>,
     claim: Claim,
-    hold: crate::backend::StallHold,
+    hold: crate::hooks::StallHold,
 ) -> Result<Opened<'c, MySql>, sqlx::Error> {
     let text = insert_text(sql, cluster, id, claim);
     let sent = Instant::now();
@@ -336,7 +336,7 @@ async fn open_stalled<'c>(
 #[cfg(feature = "testing")]
 async fn stall(
     conn: &mut MySqlConnection,
-    hold: crate::backend::StallHold,
+    hold: crate::hooks::StallHold,
 ) -> Result<(), sqlx::Error> {
     let mut released = hold.reached();
     for _ in 0..240 {

@@ -200,13 +200,14 @@ impl Found {
         !self.fresh() || (!self.completed && !self.live)
     }
 
-    /// The record of `response`, which this process has just committed for `id`
-    /// (`headers` as stored) with a ttl of `ttl_ms`, as a lookup right after its
-    /// claim would find it.
+    /// The record of an answer (`status`, `headers` as stored, `body`), which this
+    /// process has just committed for `id` with a ttl of `ttl_ms`, as a lookup
+    /// right after its claim would find it.
     pub(crate) fn recorded(
         id: &Identity<'_>,
-        response: &http::Response<bytes::Bytes>,
+        status: u16,
         headers: Vec<u8>,
+        body: bytes::Bytes,
         ttl_ms: i64,
     ) -> Self {
         Self {
@@ -217,9 +218,9 @@ impl Found {
             path: id.path.to_owned(),
             content_type: Some(id.content_type.to_owned()),
             fingerprint: id.fingerprint.to_vec(),
-            status: Some(i32::from(response.status().as_u16())),
+            status: Some(i32::from(status)),
             headers: Some(headers),
-            body: Some(response.body().clone()),
+            body: Some(body),
             unreadable: None,
         }
     }

@@ -807,7 +807,7 @@ impl<DB: Backend> Idempotency<DB> {
                 let headers = encode_headers(response.headers());
                 let mut seal_failed = None;
                 let sealed = self
-                    .seal(id, response.status(), &headers, response.body())
+                    .seal(id, response.status().as_u16(), &headers, response.body())
                     .and_then(|sealed| sealed.map_err(|error| seal_failed = Some(error)).ok());
                 let recorded = match &sealed {
                     Some(sealed) => Recorded {
@@ -842,7 +842,14 @@ impl<DB: Backend> Idempotency<DB> {
                             metrics::recorded(recording.elapsed(), endpoint);
                             if let Some(cache) = cache {
                                 let ttl_ms = options.ttl_millis();
-                                let found = Found::recorded(id, &response, headers, ttl_ms);
+                                let (status, body) = (response.status(), response.body());
+                                let found = Found::recorded(
+                                    id,
+                                    status.as_u16(),
+                                    headers,
+                                    body.clone(),
+                                    ttl_ms,
+                                );
                                 cache.committed(id.digest, found, read);
                             }
                             clean = true;
@@ -1156,7 +1163,7 @@ impl<DB: Backend> Idempotency<DB> {
     fn seal(
         &self,
         id: &Identity<'_>,
-        status: http::StatusCode,
+        status: u16,
         headers: &[u8],
         body: &[u8],
     ) -> Option<Result<Vec<u8>, SealError>> {
@@ -1170,7 +1177,7 @@ impl<DB: Backend> Idempotency<DB> {
             fingerprint: &id.fingerprint,
         };
         let response = Plain {
-            status: status.as_u16(),
+            status,
             digest: id.body_digest,
             headers,
             body,

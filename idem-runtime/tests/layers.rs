@@ -124,7 +124,10 @@ fn every_import_points_down() {
     );
     for module in graph.keys() {
         if let Some(found) = circle(&graph, module, &mut Vec::new()) {
-            panic!("modules import one another in a circle: {}", found.join(" → "));
+            panic!(
+                "modules import one another in a circle: {}",
+                found.join(" → ")
+            );
         }
     }
 }

@@ -107,7 +107,7 @@ pub struct Found {
     pub content_type: Option<String>,
     pub fingerprint: Vec<u8>,
     pub status: Option<i32>,
-    pub headers: Option<Vec<u8>>,
+    pub headers: Option<bytes::Bytes>,
     pub body: Option<bytes::Bytes>,
     /// Why the stored response is not replayed, if it is not: set when the row is
     /// read (`Idempotency::readable`, engine.rs), never by a backend.
@@ -142,7 +142,9 @@ impl Found {
             status: row
                 .try_get::<Option<i64>, _>("status")?
                 .and_then(|s| i32::try_from(s).ok()),
-            headers: row.try_get("headers")?,
+            headers: row
+                .try_get::<Option<Vec<u8>>, _>("headers")?
+                .map(bytes::Bytes::from),
             body: row
                 .try_get::<Option<Vec<u8>>, _>("body")?
                 .map(bytes::Bytes::from),
@@ -219,7 +221,7 @@ impl Found {
             content_type: Some(id.content_type.to_owned()),
             fingerprint: id.fingerprint.to_vec(),
             status: Some(i32::from(status)),
-            headers: Some(headers),
+            headers: Some(bytes::Bytes::from(headers)),
             body: Some(body),
             unreadable: None,
         }

@@ -51,9 +51,9 @@ fn compact(mut found: Found) -> Found {
         content_type.shrink_to_fit();
     }
     found.fingerprint.shrink_to_fit();
-    if let Some(headers) = &mut found.headers {
-        headers.shrink_to_fit();
-    }
+    found.headers = found
+        .headers
+        .map(|headers| bytes::Bytes::copy_from_slice(&headers));
     found.body = found.body.map(|body| bytes::Bytes::copy_from_slice(&body));
     found
 }
@@ -77,7 +77,7 @@ impl Weighter<[u8; 32], Arc<Entry>> for ByBytes {
             + found.path.len()
             + found.content_type.as_ref().map_or(0, String::len)
             + found.fingerprint.len()
-            + found.headers.as_ref().map_or(0, Vec::len)
+            + found.headers.as_ref().map_or(0, bytes::Bytes::len)
             + found.body.as_ref().map_or(0, bytes::Bytes::len);
         ENTRY_OVERHEAD + bytes as u64
     }
@@ -268,7 +268,7 @@ mod tests {
             content_type: Some("application/json".into()),
             fingerprint: vec![7; 32],
             status: Some(201),
-            headers: Some(b"content-type: application/json".to_vec()),
+            headers: Some(bytes::Bytes::from_static(b"content-type: application/json")),
             body: Some(bytes::Bytes::from_static(body)),
             unreadable: None,
         }

@@ -17,7 +17,7 @@ use sqlx::pool::PoolConnection;
 use tokio::time::Instant as TokioInstant;
 use tracing::Instrument as _;
 
-use crate::backend::{Again, Backend, Claim, Found, Identity, Opened, Recorded, Written};
+use crate::backend::{Again, Backend, Claim, Differs, Found, Identity, Opened, Recorded, Written};
 use crate::cache::{Filler, Looked, ReplayCache};
 use crate::digest::fingerprint;
 use crate::json::InvalidJson;
@@ -317,20 +317,115 @@ impl fmt::Display for Outcome {
     }
 }
 
-enum Decision {
+enum Decision<A> {
     /// Free, expired (`replace`), or a claim past its lock (`takeover`).
     Claim {
         replace: bool,
         takeover: bool,
     },
-    Answer(Outcome, Response<Bytes>),
+    Answer(Settled<A>),
     /// Another executor holds it.
     InFlight,
 }
 
+/// What the state machine settled for one request, before a front door words it
+/// (HTTP: [`Idempotency::respond`]); `A` is the door's own answer, which the
+/// work returned.
+pub(crate) enum Settled<A> {
+    /// The work ran and its record committed with its writes; `takeover`: after
+    /// taking over a claim whose lock had passed.
+    Ran { answer: A, takeover: bool },
+    /// No key: the work ran in a plain transaction, committed or rolled back.
+    Unkeyed(Result<A, Failure<A>>),
+    /// A completed record, opened: replayed, the work not run.
+    Replayed {
+        status: i32,
+        headers: Bytes,
+        body: Bytes,
+    },
+    /// The key keeps `transaction-ended`: found so, or (`now`) this execution's
+    /// transaction was ended behind the engine's back.
+    Ended { now: bool },
+    /// Another execution holds the key: what is left of its lock, where known.
+    InFlight { lock_left: Option<Duration> },
+    /// The key was first used with another request: which part differs.
+    Mismatch(Differs),
+    /// The stored record cannot be opened here; nothing ran.
+    Unreadable,
+    /// The work's transaction was rolled back and its key released.
+    Released(Failure<A>),
+    /// Nothing ran: the request or the endpoint cannot be taken.
+    Refused(Refusal),
+    /// The database failed (`serialization`: it refused to serialize the
+    /// transaction, which committed nothing), or the runtime cut the task short.
+    StoreFailed {
+        serialization: bool,
+        interrupted: bool,
+    },
+    /// The store is shutting down: nothing ran or was kept.
+    ShuttingDown,
+}
+
+/// Why a claimed (or unkeyed) execution was rolled back.
+pub(crate) enum Failure<A> {
+    /// The work's own answer, which is not to be recorded (an HTTP 5xx).
+    Answer(A),
+    /// Its answer was larger than the store records.
+    TooLarge {
+        limit: usize,
+    },
+    /// Its answer failed while being read (an HTTP body's error).
+    AnswerFailed,
+    Panicked,
+    /// It ran past its lock and was cancelled.
+    TimedOut,
+    /// Its `Tx` outlived it.
+    Escaped,
+    /// The store's shutdown cancelled it.
+    Cancelled,
+    /// Its claim's lease was lost before the record, or the database ended its
+    /// session at the lock.
+    LeaseExpired,
+}
+
+/// Why a request was refused before anything ran.
+pub(crate) enum Refusal {
+    /// The endpoint's options contradict one another.
+    InvalidOptions(String),
+    /// No key, where one is required.
+    MissingKey,
+    /// A body that is not the JSON the endpoint fingerprints.
+    InvalidJson(String),
+    /// A multipart body that cannot be read.
+    InvalidMultipart(String),
+}
+
+impl<A> Settled<A> {
+    /// The outcome it counts as, in metrics and logs.
+    pub(crate) fn outcome(&self) -> Outcome {
+        match self {
+            Self::Ran {
+                takeover: false, ..
+            } => Outcome::Executed,
+            Self::Ran { takeover: true, .. } => Outcome::TakenOver,
+            Self::Unkeyed(_) => Outcome::Unkeyed,
+            // A key found ended answers as its record would: a replay.
+            Self::Replayed { .. } | Self::Ended { now: false } => Outcome::Replayed,
+            Self::Ended { now: true } => Outcome::TransactionEnded,
+            Self::InFlight { .. } => Outcome::InFlight,
+            Self::Mismatch(_) => Outcome::Mismatch,
+            Self::Unreadable => Outcome::RecordUnreadable,
+            Self::Released(_) => Outcome::Released,
+            Self::Refused(_) => Outcome::Refused,
+            Self::StoreFailed { .. } => Outcome::StoreFailed,
+            Self::ShuttingDown => Outcome::ShuttingDown,
+        }
+    }
+}
+
 /// How one attempt ended.
-enum Step<F> {
-    Done(Outcome, Response<Bytes>),
+enum Step<F, A> {
+    Done(Settled<A>),
     /// Another executor holds the key; the handler did not run and comes back.
     InFlight(F),
     /// The claim failed for a reason the backend has just repaired (a day
@@ -338,9 +433,9 @@ enum Step<F> {
     Again(F),
 }
 
-impl<F> From<(Outcome, Response<Bytes>)> for Step<F> {
-    fn from((outcome, response): (Outcome, Response<Bytes>)) -> Self {
-        Self::Done(outcome, response)
+impl<F, A> From<Settled<A>> for Step<F, A> {
+    fn from(settled: Settled<A>) -> Self {
+        Self::Done(settled)
     }
 }
 
@@ -355,6 +450,37 @@ enum Ran {
     Escaped,
     /// The store's shutdown cancelled the handler.
     Cancelled,
+}
+
+impl Ran {
+    /// The failure a run that is not recorded ends in, logged as an operator
+    /// needs it; `limit`: the largest answer the store records.
+    fn failure(self, limit: usize) -> Failure<Response<Bytes>> {
+        match self {
+            Ran::Done(response) => Failure::Answer(response),
+            Ran::TooLarge => {
+                tracing::error!(limit, "response too large to store; rolled back");
+                Failure::TooLarge { limit }
+            }
+            Ran::BodyFailed(error) => {
+                tracing::error!(%error, "response body failed; rolled back");
+                Failure::AnswerFailed
+            }
+            Ran::Panicked(message) => {
+                tracing::error!(panic = %message, "handler panicked; rolled back");
+                Failure::Panicked
+            }
+            Ran::Cancelled => {
+                tracing::warn!("handler cancelled by the shutdown; rolled back");
+                Failure::Cancelled
+            }
+            Ran::Escaped => Failure::Escaped,
+            Ran::TimedOut => {
+                tracing::warn!("handler ran past its lock; cancelled and rolled back");
+                Failure::TimedOut
+            }
+        }
+    }
 }
 
 impl<DB: Backend> Idempotency<DB> {
@@ -476,7 +602,7 @@ impl<DB: Backend> Idempotency<DB> {
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
         let Some(running) = self.inner().lifecycle.enter() else {
-            let mut response = self.shutting_down();
+            let mut response = self.respond(Settled::ShuttingDown);
             response.extensions_mut().insert(Outcome::ShuttingDown);
             metrics::request(Outcome::ShuttingDown.as_str(), endpoint);
             return response;
@@ -488,8 +614,10 @@ impl<DB: Backend> Idempotency<DB> {
         // span's wrapper and through every frame of `spawn`.
         let task = tokio::spawn(
             Box::pin(async move {
-                let (outcome, response) = store.run(request, options, handler, &label).await;
+                let settled = store.run(request, options, handler, &label).await;
                 drop(running);
+                let outcome = settled.outcome();
+                let response = store.respond(settled);
                 answered(&tracing::Span::current(), outcome, response, label)
             })
             .instrument(span),
@@ -499,10 +627,10 @@ impl<DB: Backend> Idempotency<DB> {
             // Only when the runtime shuts down under the task.
             Err(error) => {
                 tracing::error!(%error, "idempotent request task ended abnormally");
-                let mut response = self.problem(
-                    Problem::StoreUnavailable,
-                    "the request was interrupted; retry with the same key",
-                );
+                let mut response = self.respond(Settled::StoreFailed {
+                    serialization: false,
+                    interrupted: true,
+                });
                 response.extensions_mut().insert(Outcome::StoreFailed);
                 metrics::request(Outcome::StoreFailed.as_str(), endpoint);
                 response
@@ -523,7 +651,7 @@ impl<DB: Backend> Idempotency<DB> {
         options.check().ok()?;
         let id = self.identity(request, options, key, fingerprint);
         match self.decide(Some(&cache.kept(&id.digest)?.found), &id) {
-            Decision::Answer(outcome, response) => Some((outcome, response)),
+            Decision::Answer(settled) => Some((settled.outcome(), self.respond(settled))),
             Decision::Claim { .. } | Decision::InFlight => None,
         }
     }
@@ -564,7 +692,7 @@ impl<DB: Backend> Idempotency<DB> {
         options: Options,
         handler: F,
         endpoint: &str,
-    ) -> (Outcome, Response<Bytes>)
+    ) -> Settled<Response<Bytes>>
     where
         F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
@@ -572,16 +700,11 @@ impl<DB: Backend> Idempotency<DB> {
     {
         if let Err(invalid) = options.check() {
             tracing::error!(%invalid, "endpoint options refused");
-            let detail = format!("this endpoint is misconfigured: {invalid}; nothing was run");
-            return (
-                Outcome::Refused,
-                self.problem(Problem::InvalidOptions, &detail),
-            );
+            return Settled::Refused(Refusal::InvalidOptions(invalid.to_string()));
         }
         let Some(key) = &request.key else {
             if options.is_required() {
-                let detail = "this endpoint requires an Idempotency-Key header";
-                return (Outcome::Refused, self.problem(Problem::MissingKey, detail));
+                return Settled::Refused(Refusal::MissingKey);
             }
             return match self.inner().pool.acquire().await {
                 Ok(conn) => self.run_unkeyed(conn, handler, &options).await,
@@ -591,18 +714,10 @@ impl<DB: Backend> Idempotency<DB> {
         let fingerprint = match &request.fingerprint {
             Ok(fingerprint) => fingerprint,
             Err(InvalidBody::Json(invalid)) => {
-                let detail = invalid.to_string();
-                return (
-                    Outcome::Refused,
-                    self.problem(Problem::InvalidJson, &detail),
-                );
+                return Settled::Refused(Refusal::InvalidJson(invalid.to_string()));
             }
             Err(InvalidBody::Multipart(invalid)) => {
-                let detail = invalid.to_string();
-                return (
-                    Outcome::Refused,
-                    self.problem(Problem::InvalidMultipart, &detail),
-                );
+                return Settled::Refused(Refusal::InvalidMultipart(invalid.to_string()));
             }
         };
         let id = self.identity(&request, options, key, fingerprint);
@@ -632,7 +747,7 @@ impl<DB: Backend> Idempotency<DB> {
                 .attempt(&id, &options, signal, handler, !repaired, endpoint)
                 .await
             {
-                Step::Done(outcome, response) => return (outcome, response),
+                Step::Done(settled) => return settled,
                 Step::InFlight(handler) => handler,
                 Step::Again(again) => {
                     repaired = true;
@@ -644,7 +759,7 @@ impl<DB: Backend> Idempotency<DB> {
                 // A draining store's waiters stop waiting: their retry goes to an
                 // instance that stays up.
                 _ if self.inner().lifecycle.is_draining() => {
-                    return (Outcome::ShuttingDown, self.shutting_down());
+                    return Settled::ShuttingDown;
                 }
                 Some((receiver, deadline)) if TokioInstant::now() < *deadline => {
                     // No connection is held while waiting.
@@ -653,10 +768,8 @@ impl<DB: Backend> Idempotency<DB> {
                     pause = (pause * 2).min(MAX_PAUSE);
                 }
                 _ => {
-                    return (
-                        Outcome::InFlight,
-                        self.in_flight_answer(&id, &options).await,
-                    );
+                    let lock_left = self.lock_left(&id, &options).await;
+                    return Settled::InFlight { lock_left };
                 }
             }
         }
@@ -672,7 +785,7 @@ impl<DB: Backend> Idempotency<DB> {
         handler: F,
         may_repair: bool,
         endpoint: &str,
-    ) -> Step<F>
+    ) -> Step<F, Response<Bytes>>
     where
         F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
@@ -688,9 +801,8 @@ impl<DB: Backend> Idempotency<DB> {
         if let Some(cache) = cache {
             match cache.look(&id.digest).await {
                 Looked::Hit(entry) => {
-                    if let Decision::Answer(outcome, response) = self.decide(Some(&entry.found), id)
-                    {
-                        return Step::Done(outcome, response);
+                    if let Decision::Answer(settled) = self.decide(Some(&entry.found), id) {
+                        return Step::Done(settled);
                     }
                 }
                 Looked::Miss(miss) => filler = miss,
@@ -726,9 +838,7 @@ impl<DB: Backend> Idempotency<DB> {
                     }
                     let (replace, takeover) = match self.decide(Some(&found), id) {
                         Decision::Claim { replace, takeover } => (replace, takeover),
-                        Decision::Answer(outcome, response) => {
-                            return Step::Done(outcome, response);
-                        }
+                        Decision::Answer(settled) => return Step::Done(settled),
                         Decision::InFlight => return Step::InFlight(handler),
                     };
                     let claim = Claim { replace, ..claim };
@@ -788,7 +898,7 @@ impl<DB: Backend> Idempotency<DB> {
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
             // the claim goes with it (SQLite's row once `lock` has passed).
-            return Step::Done(Outcome::Released, self.failed(ran));
+            return Step::Done(Settled::Released(ran.failure(limit)));
         };
         // `testing::ExactlyOnce` holds one execution here, the handler done and its
         // writes not yet committed, while it sends duplicates.
@@ -796,7 +906,7 @@ impl<DB: Backend> Idempotency<DB> {
         self.inner().hooks.hold_here(lock / 2).await;
         let clean;
         let mut committed = false;
-        let (outcome, response, mut conn) = match ran {
+        let (settled, mut conn) = match ran {
             Ran::Done(mut response) if options.records(response.status()) => {
                 if options.advertises_ttl() {
                     let seconds = options.ttl_duration().as_secs();
@@ -854,58 +964,52 @@ impl<DB: Backend> Idempotency<DB> {
                             }
                             clean = true;
                             committed = true;
-                            let outcome = if takeover {
-                                Outcome::TakenOver
-                            } else {
-                                Outcome::Executed
-                            };
-                            (outcome, response, conn)
+                            let answer = response;
+                            (Settled::Ran { answer, takeover }, conn)
                         }
                         // The commit may or may not have happened: a retry finds out.
                         Err(error) => {
                             let conn = open.into_conn();
                             clean = false;
-                            let (outcome, response) = self.store_failed(&error);
-                            (outcome, response, conn)
+                            (self.store_failed(&error), conn)
                         }
                     },
                     Ok(Written::LeaseLost) => {
                         tracing::warn!("the claim's lease was lost before the record; rolled back");
                         let conn;
                         (conn, clean) = open.rollback().await;
-                        (Outcome::Released, self.lease_expired(), conn)
+                        (Settled::Released(Failure::LeaseExpired), conn)
                     }
                     Ok(Written::Ended) => {
                         clean = true;
-                        let (outcome, response) = self.ended();
-                        (outcome, response, open.into_conn())
+                        (self.ended(), open.into_conn())
                     }
                     Err(error) => {
                         let conn;
                         let ended;
                         (conn, clean, ended) = abort(open, sql, id, claim).await;
-                        let (outcome, response) = if ended {
+                        let settled = if ended {
                             self.ended()
                         } else if claimed_at.elapsed() >= lock {
                             // The server ended the session at its lock (PostgreSQL).
                             tracing::warn!(%error, "session ended after the lock passed");
-                            (Outcome::Released, self.lease_expired())
+                            Settled::Released(Failure::LeaseExpired)
                         } else {
                             self.store_failed(&error)
                         };
-                        (outcome, response, conn)
+                        (settled, conn)
                     }
                 }
             }
             ran => {
                 let (conn, ended);
                 (conn, clean, ended) = abort(open, sql, id, claim).await;
-                let (outcome, response) = if ended {
+                let settled = if ended {
                     self.ended()
                 } else {
-                    (Outcome::Released, self.failed(ran))
+                    Settled::Released(ran.failure(limit))
                 };
-                (outcome, response, conn)
+                (settled, conn)
             }
         };
         let finished = DB::idem_finish(&mut conn, sql, id, lease, committed).await;
@@ -923,7 +1027,7 @@ impl<DB: Backend> Idempotency<DB> {
         if waits {
             self.inner().signals.publish(signal);
         }
-        Step::Done(outcome, response)
+        Step::Done(settled)
     }
 
     /// A claim whose `finish` failed keeps its key busy until its lock passes, when
@@ -1017,7 +1121,7 @@ impl<DB: Backend> Idempotency<DB> {
         repair: Option<i64>,
         filler: Option<Filler<'_>>,
         lock: Duration,
-    ) -> Step<F> {
+    ) -> Step<F, Response<Bytes>> {
         let sql = &self.inner().sql;
         if let Some(error) = error {
             if let Some(ttl_ms) = repair {
@@ -1048,7 +1152,7 @@ impl<DB: Backend> Idempotency<DB> {
                     cache.keep(id.digest, found, read, filler);
                 }
                 match self.decide(found.as_ref(), id) {
-                    Decision::Answer(outcome, response) => Step::Done(outcome, response),
+                    Decision::Answer(settled) => Step::Done(settled),
                     Decision::Claim { .. } | Decision::InFlight => Step::InFlight(handler),
                 }
             }
@@ -1061,7 +1165,7 @@ impl<DB: Backend> Idempotency<DB> {
         mut conn: PoolConnection<DB>,
         handler: F,
         options: &Options,
-    ) -> (Outcome, Response<Bytes>)
+    ) -> Settled<Response<Bytes>>
     where
         F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
         B: Body<Data = Bytes> + Send + 'static,
@@ -1075,32 +1179,30 @@ impl<DB: Backend> Idempotency<DB> {
         let cancelled = self.inner().lifecycle.cancelled();
         let wait = options.lock_duration();
         let (ran, open) = run_handler(open, handler, None, None, wait, cancelled).await;
+        let limit = self.response_limit();
         let Some(open) = open else {
-            return (Outcome::Unkeyed, self.failed(ran));
+            return Settled::Unkeyed(Err(ran.failure(limit)));
         };
-        let (mut conn, outcome, response, clean) = match ran {
+        let (mut conn, settled, clean) = match ran {
             Ran::Done(response) if options.records(response.status()) => {
                 match open.commit().await {
-                    (_, Ok(())) => return (Outcome::Unkeyed, response),
-                    (conn, Err(error)) => {
-                        let (outcome, response) = self.store_failed(&error);
-                        (conn, outcome, response, false)
-                    }
+                    (_, Ok(())) => return Settled::Unkeyed(Ok(response)),
+                    (conn, Err(error)) => (conn, self.store_failed(&error), false),
                 }
             }
             ran => {
                 let (conn, clean) = open.rollback().await;
-                (conn, Outcome::Unkeyed, self.failed(ran), clean)
+                (conn, Settled::Unkeyed(Err(ran.failure(limit))), clean)
             }
         };
         if !clean {
             conn.close_on_drop();
         }
-        (outcome, response)
+        settled
     }
 
     /// What a lookup means for this request.
-    fn decide(&self, found: Option<&Found>, id: &Identity<'_>) -> Decision {
+    fn decide<A>(&self, found: Option<&Found>, id: &Identity<'_>) -> Decision<A> {
         let Some(found) = found else {
             return Decision::Claim {
                 replace: false,
@@ -1116,8 +1218,13 @@ impl<DB: Backend> Idempotency<DB> {
                 takeover: found.fresh(),
             };
         }
-        if let Some(unreadable) = found.unreadable {
-            return Decision::Answer(Outcome::RecordUnreadable, self.unreadable(unreadable, id));
+        if let Some(why) = found.unreadable {
+            tracing::error!(
+                scope = id.scope,
+                key = id.key,
+                "not replayed: {why} (docs/deployment.md, sealing)"
+            );
+            return Decision::Answer(Settled::Unreadable);
         }
         if let Sealing::On(ring) = &self.inner().sealing
             && !found.completed
@@ -1129,30 +1236,16 @@ impl<DB: Backend> Idempotency<DB> {
             return Decision::InFlight;
         }
         if let Some(differs) = found.differs(id, self.inner().sealing.ring()) {
-            // Which part differs, never what the first request held: the key may
-            // be another client's, guessed.
-            let (member, named) = differs.names();
-            let detail =
-                format!("this Idempotency-Key was first used with another {named}; nothing ran");
-            let response = Problem::PayloadMismatch.to_response_with(
-                &self.inner().problem_base,
-                &detail,
-                &[("mismatch", member)],
-            );
-            return Decision::Answer(Outcome::Mismatch, response);
+            return Decision::Answer(Settled::Mismatch(differs));
         }
         if found.ended() {
-            let ended = self.transaction_ended();
-            let headers = encode_headers(ended.headers());
-            let response = replay(ended.status().as_u16().into(), &headers, ended.into_body());
-            Decision::Answer(Outcome::Replayed, response)
+            Decision::Answer(Settled::Ended { now: false })
         } else if found.completed {
-            let response = replay(
-                found.status.unwrap_or(500),
-                found.headers.as_deref().unwrap_or_default(),
-                found.body.clone().unwrap_or_default(),
-            );
-            Decision::Answer(Outcome::Replayed, response)
+            Decision::Answer(Settled::Replayed {
+                status: found.status.unwrap_or(500),
+                headers: found.headers.clone().unwrap_or_default(),
+                body: found.body.clone().unwrap_or_default(),
+            })
         } else {
             Decision::InFlight
         }
@@ -1232,7 +1325,7 @@ impl<DB: Backend> Idempotency<DB> {
                 match ring.open(&row, body) {
                     Ok(opened) => {
                         found.status = Some(i32::from(opened.status));
-                        found.headers = Some(opened.headers);
+                        found.headers = Some(Bytes::from(opened.headers));
                         found.body = Some(Bytes::from(opened.body));
                         return found;
                     }
@@ -1244,51 +1337,146 @@ impl<DB: Backend> Idempotency<DB> {
         found
     }
 
-    /// 500 `record-unreadable`; the log names the record's key id, never its
-    /// contents.
-    fn unreadable(&self, why: Unreadable, id: &Identity<'_>) -> Response<Bytes> {
-        tracing::error!(
-            scope = id.scope,
-            key = id.key,
-            "not replayed: {why} (docs/deployment.md, sealing)"
-        );
-        let detail = "the response recorded under this Idempotency-Key cannot be opened by \
-                      this server; nothing ran, and the key will not run again";
-        self.problem(Problem::RecordUnreadable, detail)
-    }
-
     pub(crate) fn problem(&self, problem: Problem, detail: &str) -> Response<Bytes> {
         problem.to_response(&self.inner().problem_base, detail)
     }
 
-    /// 409 `in-flight`, with `Retry-After` from what is left of the holder's lock:
-    /// by then the key is completed or free. One second when that is unknown.
-    async fn in_flight_answer(&self, id: &Identity<'_>, options: &Options) -> Response<Bytes> {
+    /// What is left of the lock of the execution holding `id`'s key, by the
+    /// database's clock: by then the key is completed or free. `None` when it
+    /// cannot be read.
+    async fn lock_left(&self, id: &Identity<'_>, options: &Options) -> Option<Duration> {
         let left = match self.inner().pool.acquire().await {
             Ok(mut conn) => {
                 DB::idem_lock_left(&mut conn, &self.inner().sql, id, options.lock_millis()).await
             }
             Err(error) => Err(error),
         };
-        let seconds = match left {
+        match left {
             // Clamped: MySQL's transaction start has whole seconds only.
-            Ok(Some(ms)) => ms
-                .min(options.lock_millis())
-                .saturating_add(999)
-                .div_euclid(1000)
-                .max(1),
-            Ok(None) => 1,
+            Ok(Some(ms)) => Some(Duration::from_millis(
+                ms.clamp(0, options.lock_millis()).unsigned_abs(),
+            )),
+            Ok(None) => None,
             Err(error) => {
                 tracing::debug!(%error, "could not read the holder's lock");
-                1
+                None
             }
-        };
-        let detail = "a request with this Idempotency-Key is still being processed; retry later";
-        let mut response = self.problem(Problem::InFlight, detail);
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        response
+        }
+    }
+
+    /// This execution's key keeps `transaction-ended` (see `Written::Ended`).
+    fn ended<A>(&self) -> Settled<A> {
+        tracing::error!(
+            "the database ended the handler's transaction behind idem's back and committed \
+             some of it; the key keeps 500 transaction-ended (docs/deployment.md)"
+        );
+        Settled::Ended { now: true }
+    }
+
+    fn store_failed<A>(&self, error: &sqlx::Error) -> Settled<A> {
+        tracing::warn!(%error, "idempotency store failed");
+        // The database may have failed over to a replica that lacks commits this
+        // process kept: its retries must read the table again.
+        if let Some(cache) = &self.inner().replay_cache {
+            cache.distrust();
+        }
+        // SERIALIZABLE (or REPEATABLE READ) refused the transaction: it committed
+        // nothing, and saying so spares a client the doubt.
+        let serialization = matches!(error, sqlx::Error::Database(e)
+            if matches!(e.code().as_deref(), Some("40001" | "40P01")));
+        Settled::StoreFailed {
+            serialization,
+            interrupted: false,
+        }
+    }
+
+    /// The largest response body this store records: its `max_response_bytes`,
+    /// or less where the database carries less (a Galera write set).
+    fn response_limit(&self) -> usize {
+        let most = self.inner().max_response_bytes;
+        DB::idem_max_response(&self.inner().sql).map_or(most, |carried| carried.min(most))
+    }
+
+    /// The HTTP answer to what the state machine settled: the handler's own
+    /// response, a replay, or a problem.
+    pub(crate) fn respond(&self, settled: Settled<Response<Bytes>>) -> Response<Bytes> {
+        match settled {
+            Settled::Ran { answer, .. } | Settled::Unkeyed(Ok(answer)) => answer,
+            Settled::Unkeyed(Err(failure)) | Settled::Released(failure) => self.failed(failure),
+            Settled::Replayed {
+                status,
+                headers,
+                body,
+            } => replay(status, &headers, body),
+            Settled::Ended { now: true } => self.transaction_ended(),
+            Settled::Ended { now: false } => {
+                // As the record would replay it: through the header lines.
+                let ended = self.transaction_ended();
+                let headers = encode_headers(ended.headers());
+                replay(ended.status().as_u16().into(), &headers, ended.into_body())
+            }
+            Settled::InFlight { lock_left } => {
+                // Whole seconds, rounded up; one when unknown.
+                let seconds = lock_left.map_or(1, |left| {
+                    u64::try_from(left.as_millis().div_ceil(1000))
+                        .unwrap_or(u64::MAX)
+                        .max(1)
+                });
+                let detail =
+                    "a request with this Idempotency-Key is still being processed; retry later";
+                let mut response = self.problem(Problem::InFlight, detail);
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+                response
+            }
+            Settled::Mismatch(differs) => {
+                // Which part differs, never what the first request held: the key
+                // may be another client's, guessed.
+                let (member, named) = differs.names();
+                let detail = format!(
+                    "this Idempotency-Key was first used with another {named}; nothing ran"
+                );
+                Problem::PayloadMismatch.to_response_with(
+                    &self.inner().problem_base,
+                    &detail,
+                    &[("mismatch", member)],
+                )
+            }
+            Settled::Unreadable => {
+                let detail = "the response recorded under this Idempotency-Key cannot be opened \
+                              by this server; nothing ran, and the key will not run again";
+                self.problem(Problem::RecordUnreadable, detail)
+            }
+            Settled::Refused(Refusal::InvalidOptions(invalid)) => {
+                let detail = format!("this endpoint is misconfigured: {invalid}; nothing was run");
+                self.problem(Problem::InvalidOptions, &detail)
+            }
+            Settled::Refused(Refusal::MissingKey) => self.problem(
+                Problem::MissingKey,
+                "this endpoint requires an Idempotency-Key header",
+            ),
+            Settled::Refused(Refusal::InvalidJson(detail)) => {
+                self.problem(Problem::InvalidJson, &detail)
+            }
+            Settled::Refused(Refusal::InvalidMultipart(detail)) => {
+                self.problem(Problem::InvalidMultipart, &detail)
+            }
+            Settled::StoreFailed { interrupted, .. } if interrupted => self.problem(
+                Problem::StoreUnavailable,
+                "the request was interrupted; retry with the same key",
+            ),
+            Settled::StoreFailed { serialization, .. } => {
+                let detail = if serialization {
+                    "the database could not serialize this request with concurrent ones \
+                     (serialization failure); nothing was committed: retry with the same key"
+                } else {
+                    "the idempotency store failed; retry with the same key"
+                };
+                self.problem(Problem::StoreUnavailable, detail)
+            }
+            Settled::ShuttingDown => self.shutting_down(),
+        }
     }
 
     /// 503 `shutting-down`: nothing of this request is kept; retry elsewhere.
@@ -1308,90 +1496,34 @@ impl<DB: Backend> Idempotency<DB> {
         self.problem(Problem::TransactionEnded, detail)
     }
 
-    /// The executor's own answer once its key keeps `transaction-ended`.
-    fn ended(&self) -> (Outcome, Response<Bytes>) {
-        tracing::error!(
-            "the database ended the handler's transaction behind idem's back and committed \
-             some of it; the key keeps 500 transaction-ended (docs/deployment.md)"
-        );
-        (Outcome::TransactionEnded, self.transaction_ended())
-    }
-
-    fn lease_expired(&self) -> Response<Bytes> {
-        let detail = "the request ran past its lock and was rolled back; retry with the same key";
-        self.problem(Problem::LeaseExpired, detail)
-    }
-
-    fn store_failed(&self, error: &sqlx::Error) -> (Outcome, Response<Bytes>) {
-        tracing::warn!(%error, "idempotency store failed");
-        // The database may have failed over to a replica that lacks commits this
-        // process kept: its retries must read the table again.
-        if let Some(cache) = &self.inner().replay_cache {
-            cache.distrust();
-        }
-        // SERIALIZABLE (or REPEATABLE READ) refused the transaction: it committed
-        // nothing, and saying so spares a client the doubt.
-        let serialization = matches!(error, sqlx::Error::Database(e)
-            if matches!(e.code().as_deref(), Some("40001" | "40P01")));
-        let detail = if serialization {
-            "the database could not serialize this request with concurrent ones \
-             (serialization failure); nothing was committed: retry with the same key"
-        } else {
-            "the idempotency store failed; retry with the same key"
-        };
-        (
-            Outcome::StoreFailed,
-            self.problem(Problem::StoreUnavailable, detail),
-        )
-    }
-
-    /// The largest response body this store records: its `max_response_bytes`,
-    /// or less where the database carries less (a Galera write set).
-    fn response_limit(&self) -> usize {
-        let most = self.inner().max_response_bytes;
-        DB::idem_max_response(&self.inner().sql).map_or(most, |carried| carried.min(most))
-    }
-
     /// The answer for a handler whose work was rolled back.
-    fn failed(&self, ran: Ran) -> Response<Bytes> {
-        match ran {
-            Ran::Done(response) => response,
-            Ran::TooLarge => {
-                let limit = self.response_limit();
-                tracing::error!(limit, "response too large to store; rolled back");
+    fn failed(&self, failure: Failure<Response<Bytes>>) -> Response<Bytes> {
+        let lease_expired =
+            "the request ran past its lock and was rolled back; retry with the same key";
+        match failure {
+            Failure::Answer(response) => response,
+            Failure::TooLarge { limit } => {
                 let detail = format!(
                     "the response exceeded the {limit} bytes the idempotency store keeps, so the request was rolled back"
                 );
                 self.problem(Problem::ResponseTooLarge, &detail)
             }
-            Ran::BodyFailed(error) => {
-                tracing::error!(%error, "response body failed; rolled back");
-                self.problem(
-                    Problem::HandlerFailed,
-                    "the response body failed; the request was rolled back",
-                )
-            }
-            Ran::Panicked(message) => {
-                tracing::error!(panic = %message, "handler panicked; rolled back");
-                self.problem(
-                    Problem::HandlerFailed,
-                    "the handler failed; the request was rolled back",
-                )
-            }
-            Ran::Cancelled => {
-                tracing::warn!("handler cancelled by the shutdown; rolled back");
-                self.shutting_down()
-            }
-            Ran::Escaped => self.problem(
+            Failure::AnswerFailed => self.problem(
+                Problem::HandlerFailed,
+                "the response body failed; the request was rolled back",
+            ),
+            Failure::Panicked => self.problem(
+                Problem::HandlerFailed,
+                "the handler failed; the request was rolled back",
+            ),
+            Failure::Cancelled => self.shutting_down(),
+            Failure::Escaped => self.problem(
                 Problem::HandlerFailed,
                 "the handler's transaction outlived it (a Tx moved into a task of its own); \
                  its writes were rolled back and nothing was recorded",
             ),
-            Ran::TimedOut => {
-                tracing::warn!("handler ran past its lock; cancelled and rolled back");
-                let detail =
-                    "the request ran past its lock and was rolled back; retry with the same key";
-                self.problem(Problem::LeaseExpired, detail)
+            Failure::TimedOut | Failure::LeaseExpired => {
+                self.problem(Problem::LeaseExpired, lease_expired)
             }
         }
     }

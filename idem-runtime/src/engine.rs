@@ -439,11 +439,108 @@ impl<F, A> From<Settled<A>> for Step<F, A> {
     }
 }
 
-/// The handler's result once its body is buffered.
-enum Ran {
-    Done(Response<Bytes>),
-    TooLarge,
-    BodyFailed(BoxError),
+/// What a front door runs under a claim (or, without a key, in a plain
+/// transaction): the handler, and what turns its answer into a record.
+pub(crate) trait Work<DB: Backend>: Send + 'static {
+    /// The door's own answer.
+    type Answer: Send + 'static;
+
+    /// Runs on `tx` and says whether its answer is recorded; `limit`: the
+    /// largest answer the store records, `None` where nothing is (no key).
+    fn run(
+        self,
+        tx: Tx<DB>,
+        limit: Option<usize>,
+    ) -> impl Future<Output = Verdict<Self::Answer>> + Send;
+}
+
+/// What a [`Work`] came to.
+pub(crate) enum Verdict<A> {
+    /// Record `stored` with the work's writes, then answer `answer`.
+    Record { stored: Stored, answer: A },
+    /// Roll back and release the key, then answer this.
+    Release(A),
+    /// Its answer cannot be recorded: roll back and release the key.
+    Unrecordable(Failure<A>),
+}
+
+/// An answer as the table stores it: status, header lines, body.
+pub(crate) struct Stored {
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<u8>,
+    pub(crate) body: Bytes,
+}
+
+/// An HTTP handler as a [`Work`]: its body buffered (up to the store's limit),
+/// and recorded where the endpoint's options record its status.
+struct HttpWork<F> {
+    handler: F,
+    options: Options,
+}
+
+impl<DB, F, B> Work<DB> for HttpWork<F>
+where
+    DB: Backend,
+    F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Answer = Response<Bytes>;
+
+    async fn run(self, tx: Tx<DB>, limit: Option<usize>) -> Verdict<Response<Bytes>> {
+        let (parts, body) = (self.handler)(tx).await.into_parts();
+        let collected = match limit {
+            Some(limit) => Limited::new(body, limit).collect().await,
+            None => body.collect().await.map_err(Into::into),
+        };
+        let mut response = match collected {
+            Ok(collected) => Response::from_parts(parts, collected.to_bytes()),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                let limit = limit.unwrap_or_default();
+                return Verdict::Unrecordable(Failure::TooLarge { limit });
+            }
+            Err(error) => {
+                tracing::error!(%error, "response body failed; rolled back");
+                return Verdict::Unrecordable(Failure::AnswerFailed);
+            }
+        };
+        let options = self.options;
+        if !options.records(response.status()) {
+            return Verdict::Release(response);
+        }
+        if limit.is_none() {
+            // Nothing is recorded without a key: committed as it is.
+            let stored = Stored {
+                status: response.status().as_u16(),
+                headers: Vec::new(),
+                body: Bytes::new(),
+            };
+            return Verdict::Record {
+                stored,
+                answer: response,
+            };
+        }
+        if options.advertises_ttl() {
+            let seconds = options.ttl_duration().as_secs();
+            response
+                .headers_mut()
+                .insert(IDEMPOTENCY_KEY_TTL, HeaderValue::from(seconds));
+        }
+        let stored = Stored {
+            status: response.status().as_u16(),
+            headers: encode_headers(response.headers()),
+            body: response.body().clone(),
+        };
+        Verdict::Record {
+            stored,
+            answer: response,
+        }
+    }
+}
+
+/// The work's result, once it is over.
+enum Ran<A> {
+    Done(Verdict<A>),
     Panicked(String),
     TimedOut,
     /// The handler's `Tx` outlived it (moved into a task of its own).
@@ -452,19 +549,19 @@ enum Ran {
     Cancelled,
 }
 
-impl Ran {
+impl<A> Ran<A> {
     /// The failure a run that is not recorded ends in, logged as an operator
-    /// needs it; `limit`: the largest answer the store records.
-    fn failure(self, limit: usize) -> Failure<Response<Bytes>> {
+    /// needs it.
+    fn failure(self) -> Failure<A> {
         match self {
-            Ran::Done(response) => Failure::Answer(response),
-            Ran::TooLarge => {
-                tracing::error!(limit, "response too large to store; rolled back");
-                Failure::TooLarge { limit }
-            }
-            Ran::BodyFailed(error) => {
-                tracing::error!(%error, "response body failed; rolled back");
-                Failure::AnswerFailed
+            Ran::Done(Verdict::Release(answer)) => Failure::Answer(answer),
+            // Not released, but not recorded either (the record was not reached).
+            Ran::Done(Verdict::Record { answer, .. }) => Failure::Answer(answer),
+            Ran::Done(Verdict::Unrecordable(failure)) => {
+                if let Failure::TooLarge { limit } = failure {
+                    tracing::error!(limit, "response too large to store; rolled back");
+                }
+                failure
             }
             Ran::Panicked(message) => {
                 tracing::error!(panic = %message, "handler panicked; rolled back");
@@ -614,7 +711,8 @@ impl<DB: Backend> Idempotency<DB> {
         // span's wrapper and through every frame of `spawn`.
         let task = tokio::spawn(
             Box::pin(async move {
-                let settled = store.run(request, options, handler, &label).await;
+                let work = HttpWork { handler, options };
+                let settled = store.run(request, options, work, &label).await;
                 drop(running);
                 let outcome = settled.outcome();
                 let response = store.respond(settled);
@@ -686,18 +784,13 @@ impl<DB: Backend> Idempotency<DB> {
         }
     }
 
-    async fn run<F, B>(
+    async fn run<W: Work<DB>>(
         &self,
         request: RequestIdentity,
         options: Options,
-        handler: F,
+        work: W,
         endpoint: &str,
-    ) -> Settled<Response<Bytes>>
-    where
-        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
-    {
+    ) -> Settled<W::Answer> {
         if let Err(invalid) = options.check() {
             tracing::error!(%invalid, "endpoint options refused");
             return Settled::Refused(Refusal::InvalidOptions(invalid.to_string()));
@@ -707,7 +800,7 @@ impl<DB: Backend> Idempotency<DB> {
                 return Settled::Refused(Refusal::MissingKey);
             }
             return match self.inner().pool.acquire().await {
-                Ok(conn) => self.run_unkeyed(conn, handler, &options).await,
+                Ok(conn) => self.run_unkeyed(conn, work, &options).await,
                 Err(error) => self.store_failed(&error),
             };
         };
@@ -740,18 +833,18 @@ impl<DB: Backend> Idempotency<DB> {
             (self.inner().signals.subscribe(), TokioInstant::now() + wait)
         });
         let mut pause = FIRST_PAUSE;
-        let mut handler = handler;
+        let mut work = work;
         let mut repaired = false;
         loop {
-            handler = match self
-                .attempt(&id, &options, signal, handler, !repaired, endpoint)
+            work = match self
+                .attempt(&id, &options, signal, work, !repaired, endpoint)
                 .await
             {
                 Step::Done(settled) => return settled,
-                Step::InFlight(handler) => handler,
+                Step::InFlight(work) => work,
                 Step::Again(again) => {
                     repaired = true;
-                    handler = again;
+                    work = again;
                     continue;
                 }
             };
@@ -776,21 +869,16 @@ impl<DB: Backend> Idempotency<DB> {
     }
 
     /// One look at (scope, key): answer from what is stored, or claim and execute;
-    /// `InFlight` hands the handler back when another executor holds the key.
-    async fn attempt<F, B>(
+    /// `InFlight` hands the work back when another executor holds the key.
+    async fn attempt<W: Work<DB>>(
         &self,
         id: &Identity<'_>,
         options: &Options,
         signal: u64,
-        handler: F,
+        work: W,
         may_repair: bool,
         endpoint: &str,
-    ) -> Step<F, Response<Bytes>>
-    where
-        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
-    {
+    ) -> Step<W, W::Answer> {
         let began = Instant::now();
         let cache = self.inner().replay_cache.as_ref();
         // When the database is read or claimed from, for what the cache keeps.
@@ -839,7 +927,7 @@ impl<DB: Backend> Idempotency<DB> {
                     let (replace, takeover) = match self.decide(Some(&found), id) {
                         Decision::Claim { replace, takeover } => (replace, takeover),
                         Decision::Answer(settled) => return Step::Done(settled),
-                        Decision::InFlight => return Step::InFlight(handler),
+                        Decision::InFlight => return Step::InFlight(work),
                     };
                     let claim = Claim { replace, ..claim };
                     sent = Instant::now();
@@ -848,16 +936,14 @@ impl<DB: Backend> Idempotency<DB> {
                         other => {
                             let error = other.err();
                             return self
-                                .claim_lost(
-                                    &mut conn, id, lease, error, handler, repair, filler, lock,
-                                )
+                                .claim_lost(&mut conn, id, lease, error, work, repair, filler, lock)
                                 .await;
                         }
                     }
                 }
                 Ok(None) => {
                     return self
-                        .claim_lost(&mut conn, id, lease, None, handler, None, filler, lock)
+                        .claim_lost(&mut conn, id, lease, None, work, None, filler, lock)
                         .await;
                 }
                 Err(error) => {
@@ -867,7 +953,7 @@ impl<DB: Backend> Idempotency<DB> {
                             id,
                             lease,
                             Some(error),
-                            handler,
+                            work,
                             repair,
                             filler,
                             lock,
@@ -893,12 +979,11 @@ impl<DB: Backend> Idempotency<DB> {
         // The handler is cancelled when the claim's lock passes, not a lock after
         // it started: past that, another executor may take the key over.
         let left = lock.saturating_sub(claimed_at.elapsed());
-        let (ran, open) =
-            run_handler(open, handler, Some(left), Some(limit), lock, cancelled).await;
+        let (ran, open) = run_handler(open, work, Some(left), Some(limit), lock, cancelled).await;
         let Some(mut open) = open else {
             // The connection is still out: whoever holds it closes it when done, and
             // the claim goes with it (SQLite's row once `lock` has passed).
-            return Step::Done(Settled::Released(ran.failure(limit)));
+            return Step::Done(Settled::Released(ran.failure()));
         };
         // `testing::ExactlyOnce` holds one execution here, the handler done and its
         // writes not yet committed, while it sends duplicates.
@@ -907,17 +992,10 @@ impl<DB: Backend> Idempotency<DB> {
         let clean;
         let mut committed = false;
         let (settled, mut conn) = match ran {
-            Ran::Done(mut response) if options.records(response.status()) => {
-                if options.advertises_ttl() {
-                    let seconds = options.ttl_duration().as_secs();
-                    response
-                        .headers_mut()
-                        .insert(IDEMPOTENCY_KEY_TTL, HeaderValue::from(seconds));
-                }
-                let headers = encode_headers(response.headers());
+            Ran::Done(Verdict::Record { stored, answer }) => {
                 let mut seal_failed = None;
                 let sealed = self
-                    .seal(id, response.status().as_u16(), &headers, response.body())
+                    .seal(id, stored.status, &stored.headers, &stored.body)
                     .and_then(|sealed| sealed.map_err(|error| seal_failed = Some(error)).ok());
                 let recorded = match &sealed {
                     Some(sealed) => Recorded {
@@ -927,9 +1005,9 @@ impl<DB: Backend> Idempotency<DB> {
                         ttl_ms: options.ttl_millis(),
                     },
                     None => Recorded {
-                        status: i32::from(response.status().as_u16()),
-                        headers: &headers,
-                        body: response.body(),
+                        status: i32::from(stored.status),
+                        headers: &stored.headers,
+                        body: &stored.body,
                         ttl_ms: options.ttl_millis(),
                     },
                 };
@@ -952,19 +1030,16 @@ impl<DB: Backend> Idempotency<DB> {
                             metrics::recorded(recording.elapsed(), endpoint);
                             if let Some(cache) = cache {
                                 let ttl_ms = options.ttl_millis();
-                                let (status, body) = (response.status(), response.body());
-                                let found = Found::recorded(
-                                    id,
-                                    status.as_u16(),
+                                let Stored {
+                                    status,
                                     headers,
-                                    body.clone(),
-                                    ttl_ms,
-                                );
+                                    body,
+                                } = stored;
+                                let found = Found::recorded(id, status, headers, body, ttl_ms);
                                 cache.committed(id.digest, found, read);
                             }
                             clean = true;
                             committed = true;
-                            let answer = response;
                             (Settled::Ran { answer, takeover }, conn)
                         }
                         // The commit may or may not have happened: a retry finds out.
@@ -1007,7 +1082,7 @@ impl<DB: Backend> Idempotency<DB> {
                 let settled = if ended {
                     self.ended()
                 } else {
-                    Settled::Released(ran.failure(limit))
+                    Settled::Released(ran.failure())
                 };
                 (settled, conn)
             }
@@ -1111,22 +1186,22 @@ impl<DB: Backend> Idempotency<DB> {
     /// runs), or 503 when the database failed. `repair`: the claim's ttl (ms), when
     /// the backend may repair the cause of an error (see `Step::Again`).
     #[allow(clippy::too_many_arguments)]
-    async fn claim_lost<F>(
+    async fn claim_lost<W: Work<DB>>(
         &self,
         conn: &mut PoolConnection<DB>,
         id: &Identity<'_>,
         lease: i64,
         error: Option<sqlx::Error>,
-        handler: F,
+        work: W,
         repair: Option<i64>,
         filler: Option<Filler<'_>>,
         lock: Duration,
-    ) -> Step<F, Response<Bytes>> {
+    ) -> Step<W, W::Answer> {
         let sql = &self.inner().sql;
         if let Some(error) = error {
             if let Some(ttl_ms) = repair {
                 match DB::idem_repair(conn, sql, &error, ttl_ms).await {
-                    Ok(true) => return Step::Again(handler),
+                    Ok(true) => return Step::Again(work),
                     Ok(false) => {}
                     Err(repair) => {
                         tracing::warn!(%repair, %error, "could not repair a failed claim")
@@ -1153,24 +1228,19 @@ impl<DB: Backend> Idempotency<DB> {
                 }
                 match self.decide(found.as_ref(), id) {
                     Decision::Answer(settled) => Step::Done(settled),
-                    Decision::Claim { .. } | Decision::InFlight => Step::InFlight(handler),
+                    Decision::Claim { .. } | Decision::InFlight => Step::InFlight(work),
                 }
             }
             Err(error) => self.store_failed(&error).into(),
         }
     }
 
-    async fn run_unkeyed<F, B>(
+    async fn run_unkeyed<W: Work<DB>>(
         &self,
         mut conn: PoolConnection<DB>,
-        handler: F,
+        work: W,
         options: &Options,
-    ) -> Settled<Response<Bytes>>
-    where
-        F: FnOnce(Tx<DB>) -> HandlerFuture<B> + Send + 'static,
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
-    {
+    ) -> Settled<W::Answer> {
         let adopted = match DB::idem_begin(&mut conn).await {
             Ok(tx) => Open::adopt(tx),
             Err(error) => return self.store_failed(&error),
@@ -1178,21 +1248,18 @@ impl<DB: Backend> Idempotency<DB> {
         let open = Open::new(conn, adopted, !self.inner().transaction_pooled);
         let cancelled = self.inner().lifecycle.cancelled();
         let wait = options.lock_duration();
-        let (ran, open) = run_handler(open, handler, None, None, wait, cancelled).await;
-        let limit = self.response_limit();
+        let (ran, open) = run_handler(open, work, None, None, wait, cancelled).await;
         let Some(open) = open else {
-            return Settled::Unkeyed(Err(ran.failure(limit)));
+            return Settled::Unkeyed(Err(ran.failure()));
         };
         let (mut conn, settled, clean) = match ran {
-            Ran::Done(response) if options.records(response.status()) => {
-                match open.commit().await {
-                    (_, Ok(())) => return Settled::Unkeyed(Ok(response)),
-                    (conn, Err(error)) => (conn, self.store_failed(&error), false),
-                }
-            }
+            Ran::Done(Verdict::Record { answer, .. }) => match open.commit().await {
+                (_, Ok(())) => return Settled::Unkeyed(Ok(answer)),
+                (conn, Err(error)) => (conn, self.store_failed(&error), false),
+            },
             ran => {
                 let (conn, clean) = open.rollback().await;
-                (conn, Settled::Unkeyed(Err(ran.failure(limit))), clean)
+                (conn, Settled::Unkeyed(Err(ran.failure())), clean)
             }
         };
         if !clean {
@@ -1529,40 +1596,21 @@ impl<DB: Backend> Idempotency<DB> {
     }
 }
 
-/// Lends `open` to the handler and buffers its response, catching panics and, with
-/// `lock`, dropping the handler at the deadline, or when `cancelled` resolves. Gives
-/// the transaction back when the handler has dropped its `Tx`; a `Tx` that outlives
-/// the handler is waited for up to `escaped_wait`, and the run is `Escaped` either
-/// way.
-async fn run_handler<DB, F, B>(
+/// Lends `open` to the work, catching panics and, with `lock`, dropping it at the
+/// deadline, or when `cancelled` resolves. Gives the transaction back when the
+/// work has dropped its `Tx`; a `Tx` that outlives it is waited for up to
+/// `escaped_wait`, and the run is `Escaped` either way.
+async fn run_handler<DB: Backend, W: Work<DB>>(
     open: Open<DB>,
-    handler: F,
+    work: W,
     lock: Option<Duration>,
     limit: Option<usize>,
     escaped_wait: Duration,
     cancelled: impl Future<Output = ()>,
-) -> (Ran, Option<Open<DB>>)
-where
-    DB: Backend,
-    F: FnOnce(Tx<DB>) -> HandlerFuture<B>,
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
+) -> (Ran<W::Answer>, Option<Open<DB>>) {
     let started = TokioInstant::now();
     let (tx, mut back) = Tx::lend(open);
-    let work = AssertUnwindSafe(async {
-        let (parts, body) = handler(tx).await.into_parts();
-        let collected = match limit {
-            Some(limit) => Limited::new(body, limit).collect().await,
-            None => body.collect().await.map_err(Into::into),
-        };
-        match collected {
-            Ok(collected) => Ran::Done(Response::from_parts(parts, collected.to_bytes())),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => Ran::TooLarge,
-            Err(error) => Ran::BodyFailed(error),
-        }
-    })
-    .catch_unwind();
+    let work = AssertUnwindSafe(work.run(tx, limit)).catch_unwind();
     let bounded = async {
         match lock {
             Some(lock) => tokio::time::timeout(lock, work).await.ok(),
@@ -1576,7 +1624,7 @@ where
     let ran = match caught {
         None => Ran::Cancelled,
         Some(None) => Ran::TimedOut,
-        Some(Some(Ok(ran))) => ran,
+        Some(Some(Ok(verdict))) => Ran::Done(verdict),
         Some(Some(Err(panic))) => {
             let message = panic
                 .downcast_ref::<&str>()

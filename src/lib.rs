@@ -318,6 +318,11 @@
 /// # }
 /// ```
 pub use idem_macros::idempotent;
+#[cfg(feature = "serde")]
+pub use idem_runtime::JsonRecord;
+pub use idem_runtime::{
+    Aborted, Action, Delivery, MIN_RETRY_AFTER, Processed, Refused, Replayable, Stuck,
+};
 pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE,

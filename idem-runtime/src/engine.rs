@@ -65,7 +65,7 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 pub struct RequestIdentity {
     key: Option<IdempotencyKey>,
     scope: String,
-    method: Method,
+    method: Verb,
     path: String,
     content_type: String,
     /// `Err` when the body cannot be fingerprinted as the endpoint and its
@@ -75,6 +75,26 @@ pub struct RequestIdentity {
     /// compared recorded: a key of theirs matches its retry by it.
     bytes_fingerprint: Option<[u8; 32]>,
     endpoint: Option<String>,
+}
+
+/// What a request's identity names as its method.
+#[derive(Debug, Clone)]
+pub(crate) enum Verb {
+    Http(Method),
+    /// A message's delivery (`crate::message`).
+    Message,
+}
+
+impl Verb {
+    /// As the table stores it: an HTTP method, or, for a message, a name no
+    /// HTTP method can have (`@` is no token character), so that a key is never
+    /// a request's and a message's at once.
+    fn as_str(&self) -> &str {
+        match self {
+            Self::Http(method) => method.as_str(),
+            Self::Message => "@message",
+        }
+    }
 }
 
 /// A keyed body that cannot be fingerprinted: refused 400 before anything runs.
@@ -132,13 +152,33 @@ impl RequestIdentity {
         Self {
             key: key.map(|k| k.with_scope(&scope)),
             scope,
-            method,
+            method: Verb::Http(method),
             path,
             content_type: String::new(),
             fingerprint,
             bytes_fingerprint: None,
             endpoint: None,
         }
+    }
+
+    /// A message's delivery to the consumer `source`, its id as the key.
+    pub(crate) fn message(key: Option<IdempotencyKey>, scope: String, source: String) -> Self {
+        let mut identity = Self::of_parts(key, scope, Method::POST, String::new(), Ok([0; 32]));
+        identity.method = Verb::Message;
+        identity.endpoint = Some(source.clone());
+        identity.path = source;
+        identity
+    }
+
+    /// The endpoint's label in metrics, taken: its route, else its method
+    /// (empty without the `metrics` feature).
+    pub(crate) fn take_endpoint(&mut self) -> String {
+        if !cfg!(feature = "metrics") {
+            return String::new();
+        }
+        self.endpoint
+            .take()
+            .unwrap_or_else(|| self.method.as_str().to_owned())
     }
 
     /// Names the endpoint in metrics (feature `metrics`), e.g. `POST /payments/{id}`:
@@ -660,6 +700,16 @@ impl<DB: Backend> Idempotency<DB> {
         request: &RequestIdentity,
         options: Options,
     ) -> Option<(Outcome, Response<Bytes>)> {
+        let settled = self.kept_settled(request, options)?;
+        Some((settled.outcome(), self.respond(settled)))
+    }
+
+    /// What [`kept`](Self::kept) found, before a front door words it.
+    pub(crate) fn kept_settled<A>(
+        &self,
+        request: &RequestIdentity,
+        options: Options,
+    ) -> Option<Settled<A>> {
         #[cfg(feature = "testing")]
         if request.key.is_some() {
             self.inner().hooks.arrived();
@@ -668,7 +718,15 @@ impl<DB: Backend> Idempotency<DB> {
         if self.inner().lifecycle.is_draining() {
             return None;
         }
-        self.kept_answer(request, options)
+        let cache = self.inner().replay_cache.as_ref()?;
+        let key = request.key.as_ref()?;
+        let fingerprint = request.fingerprint.as_ref().ok()?;
+        options.check().ok()?;
+        let id = self.identity(request, options, key, fingerprint);
+        match self.decide(Some(&cache.kept(&id.digest)?.found), &id) {
+            Decision::Answer(settled) => Some(settled),
+            Decision::Claim { .. } | Decision::InFlight => None,
+        }
     }
 
     /// Gives what [`kept`](Self::kept) found: its span, metric and `Outcome`.
@@ -696,62 +754,68 @@ impl<DB: Backend> Idempotency<DB> {
     {
         let span = span_of(&request);
         let endpoint = endpoint_of(&mut request);
+        let work = HttpWork { handler, options };
+        let answer = |store: &Self, settled: Settled<Response<Bytes>>, label| {
+            let outcome = settled.outcome();
+            let response = store.respond(settled);
+            answered(&tracing::Span::current(), outcome, response, label)
+        };
+        let label = endpoint.clone();
+        let settled = match self
+            .settle(request, options, work, span, label, answer)
+            .await
+        {
+            Some(Ok(response)) => return response,
+            Some(Err(())) => Settled::StoreFailed {
+                serialization: false,
+                interrupted: true,
+            },
+            None => Settled::ShuttingDown,
+        };
+        let outcome = settled.outcome();
+        let mut response = self.respond(settled);
+        response.extensions_mut().insert(outcome);
+        metrics::request(outcome.as_str(), endpoint);
+        response
+    }
+
+    /// Runs `work` for `request` in a task of its own, counted in by the store's
+    /// lifecycle, and gives what `answer` makes of what it settled (inside the
+    /// task: a caller dropped meanwhile still has its metric and span). `None`
+    /// when the store shuts down (nothing was claimed); `Err` when the runtime
+    /// cut the task short.
+    pub(crate) async fn settle<W, R>(
+        &self,
+        request: RequestIdentity,
+        options: Options,
+        work: W,
+        span: tracing::Span,
+        label: String,
+        answer: impl FnOnce(&Self, Settled<W::Answer>, String) -> R + Send + 'static,
+    ) -> Option<Result<R, ()>>
+    where
+        W: Work<DB>,
+        R: Send + 'static,
+    {
         // Counted in before anything is claimed: a store shutting down takes nothing
         // new, and waits for what it took (see `Shutdown`).
-        let Some(running) = self.inner().lifecycle.enter() else {
-            let mut response = self.respond(Settled::ShuttingDown);
-            response.extensions_mut().insert(Outcome::ShuttingDown);
-            metrics::request(Outcome::ShuttingDown.as_str(), endpoint);
-            return response;
-        };
+        let running = self.inner().lifecycle.enter()?;
         let store = self.clone();
-        let label = endpoint.clone();
         // Boxed where it is built, and instrumented once boxed: the state machine
         // is about 10 KiB, which would otherwise be copied by every move, into the
         // span's wrapper and through every frame of `spawn`.
         let task = tokio::spawn(
             Box::pin(async move {
-                let work = HttpWork { handler, options };
                 let settled = store.run(request, options, work, &label).await;
                 drop(running);
-                let outcome = settled.outcome();
-                let response = store.respond(settled);
-                answered(&tracing::Span::current(), outcome, response, label)
+                answer(&store, settled, label)
             })
             .instrument(span),
         );
-        match task.await {
-            Ok(response) => response,
+        Some(task.await.map_err(|error| {
             // Only when the runtime shuts down under the task.
-            Err(error) => {
-                tracing::error!(%error, "idempotent request task ended abnormally");
-                let mut response = self.respond(Settled::StoreFailed {
-                    serialization: false,
-                    interrupted: true,
-                });
-                response.extensions_mut().insert(Outcome::StoreFailed);
-                metrics::request(Outcome::StoreFailed.as_str(), endpoint);
-                response
-            }
-        }
-    }
-
-    /// The answer the replay cache holds for `request`, when the engine would give
-    /// it from there anyway (as `attempt` does); never waits.
-    fn kept_answer(
-        &self,
-        request: &RequestIdentity,
-        options: Options,
-    ) -> Option<(Outcome, Response<Bytes>)> {
-        let cache = self.inner().replay_cache.as_ref()?;
-        let key = request.key.as_ref()?;
-        let fingerprint = request.fingerprint.as_ref().ok()?;
-        options.check().ok()?;
-        let id = self.identity(request, options, key, fingerprint);
-        match self.decide(Some(&cache.kept(&id.digest)?.found), &id) {
-            Decision::Answer(settled) => Some((settled.outcome(), self.respond(settled))),
-            Decision::Claim { .. } | Decision::InFlight => None,
-        }
+            tracing::error!(%error, "idempotent request task ended abnormally");
+        }))
     }
 
     fn identity<'a>(
@@ -1720,7 +1784,7 @@ pub(crate) fn path_of(uri: &Uri) -> String {
 fn span_of(request: &RequestIdentity) -> tracing::Span {
     tracing::debug_span!(
         "idem",
-        method = %request.method,
+        method = request.method.as_str(),
         path = %request.path,
         key = request.key.as_ref().map(IdempotencyKey::as_str),
         outcome = tracing::field::Empty,
@@ -1730,13 +1794,7 @@ fn span_of(request: &RequestIdentity) -> tracing::Span {
 
 /// The endpoint's label in metrics: its route, else its method.
 fn endpoint_of(request: &mut RequestIdentity) -> String {
-    if !cfg!(feature = "metrics") {
-        return String::new();
-    }
-    request
-        .endpoint
-        .take()
-        .unwrap_or_else(|| request.method.to_string())
+    request.take_endpoint()
 }
 
 /// Notes `outcome` on the request's `span`, its metric and the response.

@@ -99,6 +99,40 @@ impl IdempotencyKey {
         })
     }
 
+    /// A message's id as the key, exactly as it is: never trimmed nor
+    /// unquoted, so that two ids differing only there stay two keys. 1 to 255
+    /// printable ASCII characters, spaces included.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidKey::Empty`], [`InvalidKey::TooLong`] or
+    /// [`InvalidKey::BadCharacter`] (a control or non-ASCII character).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # extern crate idem_runtime as idem_axum;
+    /// use idem_axum::{IdempotencyKey, InvalidKey};
+    ///
+    /// assert_eq!(IdempotencyKey::from_id("\"evt 1\"").unwrap().as_str(), "\"evt 1\"");
+    /// assert_eq!(IdempotencyKey::from_id("").unwrap_err(), InvalidKey::Empty);
+    /// ```
+    pub fn from_id(id: &str) -> Result<Self, InvalidKey> {
+        if id.is_empty() {
+            return Err(InvalidKey::Empty);
+        }
+        if id.len() > MAX_KEY_LEN {
+            return Err(InvalidKey::TooLong);
+        }
+        if !id.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+            return Err(InvalidKey::BadCharacter);
+        }
+        Ok(Self {
+            value: Arc::from(id),
+            scope: None,
+        })
+    }
+
     /// The key as the client sent it, unquoted.
     pub fn as_str(&self) -> &str {
         &self.value

@@ -21,6 +21,7 @@ mod key;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 mod lease;
 mod media;
+mod message;
 mod metrics;
 mod multipart;
 #[cfg(any(feature = "aide", feature = "utoipa"))]
@@ -61,6 +62,11 @@ pub use digest::fingerprint;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity};
 pub use json::{InvalidJson, json_fingerprint};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey, MAX_KEY_LEN};
+#[cfg(feature = "serde")]
+pub use message::JsonRecord;
+pub use message::{
+    Aborted, Action, Delivery, MIN_RETRY_AFTER, Processed, Refused, Replayable, Stuck,
+};
 pub use options::{InvalidOptions, Options};
 pub use problem::Problem;
 pub use record::{IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED};

@@ -37,6 +37,7 @@ mod fence;
 mod harness;
 mod json;
 mod kit;
+mod message;
 mod operator;
 #[cfg(feature = "postgres")]
 mod partitions;
@@ -78,6 +79,10 @@ use harness::{Lite, LiteDeferred};
 use harness::{Pg, PgParted};
 use json::{browser_sent_keys_are_keys, json_fingerprints_compare_values_not_bytes};
 use kit::the_testing_kit_proves_handlers_exactly_once;
+use message::{
+    deliveries_run_once_and_give_back_their_result, message_records_are_sealed,
+    messages_and_requests_never_share_a_key, redeliveries_at_once_run_each_message_once,
+};
 use operator::operators_never_delete_or_wait_for_a_key_in_flight;
 use realistic::{
     caught_database_errors_are_recorded, handler_savepoints_keep_working,
@@ -1424,4 +1429,8 @@ conformance!(
     rotation_rolled_out_never_answers_500,
     records_open_only_in_their_context,
     audit_counts_what_each_key_still_holds,
+    deliveries_run_once_and_give_back_their_result,
+    redeliveries_at_once_run_each_message_once,
+    messages_and_requests_never_share_a_key,
+    message_records_are_sealed,
 );

@@ -113,6 +113,32 @@ impl Delivery {
 ///
 /// Implemented for `()`, [`Bytes`], `Vec<u8>` and `String`, and, with the
 /// `serde` feature, for [`JsonRecord`].
+///
+/// # Examples
+///
+/// ```
+/// # extern crate idem_runtime as idem_axum;
+/// use bytes::Bytes;
+/// use idem_axum::Replayable;
+///
+/// /// A charge's id, recorded as its text.
+/// struct ChargeId(u64);
+///
+/// impl Replayable for ChargeId {
+///     const CONTENT_TYPE: &'static str = "text/plain";
+///
+///     fn to_record(&self) -> Result<Bytes, Box<dyn std::error::Error + Send + Sync>> {
+///         Ok(Bytes::from(self.0.to_string()))
+///     }
+///
+///     fn from_record(record: Bytes) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
+///         Ok(Self(std::str::from_utf8(&record)?.parse()?))
+///     }
+/// }
+///
+/// let record = ChargeId(42).to_record().unwrap();
+/// assert_eq!(ChargeId::from_record(record).unwrap().0, 42);
+/// ```
 pub trait Replayable: Sized + Send + 'static {
     /// The content type it is recorded under (what `idem show` prints).
     const CONTENT_TYPE: &'static str;
@@ -212,6 +238,21 @@ where
 
 /// What one delivery came to, and so what the consumer does with the message
 /// ([`action`](Self::action)).
+///
+/// # Examples
+///
+/// ```
+/// # extern crate idem_runtime as idem_axum;
+/// use std::time::Duration;
+/// use idem_axum::{Action, Processed};
+///
+/// let done: Processed<String, ()> = Processed::Done("ch_42".to_owned());
+/// assert_eq!(done.action(), Action::Ack);
+/// let busy: Processed<String, ()> = Processed::InFlight { retry_after: Duration::from_secs(3) };
+/// assert_eq!(busy.action(), Action::Retry(Some(Duration::from_secs(3))));
+/// let declined: Processed<String, &str> = Processed::Failed("card declined");
+/// assert_eq!(declined.action(), Action::Retry(None));
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Processed<T, E> {

@@ -849,11 +849,16 @@ async fn audit<DB: Backend>(store: &Idempotency<DB>, batch: u32) -> Result<Strin
         if let Some(left) = used.ended_expire_within {
             let _ = write!(out, " (the last expires in {} s)", left.as_secs());
         }
-        out.push_str(match (n, used.unused()) {
-            (0, _) => "\n",
-            (_, true) => ": may leave once the longest lock has passed\n",
-            (_, false) if used.records > 0 => ": needed; run idem reseal\n",
-            (_, false) => ": needed until its claims end and its ended rows expire\n",
+        out.push_str(match (n, used.in_ring, used.unused()) {
+            (0, true, _) => "\n",
+            (_, true, true) => ": may leave once the longest lock has passed\n",
+            (_, true, false) if used.records > 0 => ": needed; run idem reseal\n",
+            (_, true, false) => ": needed until its claims end and its ended rows expire\n",
+            // Nothing here can open or move them.
+            (_, false, _) => {
+                ": its records answer record-unreadable until it is back in the ring or they \
+                 expire\n"
+            }
         });
     }
     let _ = writeln!(

@@ -168,6 +168,15 @@ async fn sealed_records_open_with_the_ring_and_reseal() {
     );
     assert!(run.stdout.contains("caught up"), "{}", run.stdout);
     audit("0 records, 0 claims, 0 ended: may leave");
+    // A ring without the key the records are sealed under names it, and says
+    // what its records answer.
+    let blind = idem_with(&url, &["audit"], &[("IDEM_SEAL_KEYS", OLD)]);
+    let named = format!("key {} (not in the ring): 2 records", id(NEW));
+    assert!(
+        blind.stdout.contains(&named) && blind.stdout.contains("record-unreadable"),
+        "{}",
+        blind.stdout
+    );
     let moved = idem_with(
         &url,
         &["show", "--scope", "alice", "k-1"],

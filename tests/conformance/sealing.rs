@@ -61,6 +61,39 @@ fn assert_sealed(row: &KeyRow, keys: &str) {
     );
 }
 
+/// Rewrites alice's completed `key` into what a transaction ended behind idem's
+/// back leaves (500, no response), as the table holds it; the row written.
+async fn end_behind_idems_back<H: Harness>(h: &H, key: &str) -> KeyRow {
+    let (_, recorded) = h
+        .key_rows("alice")
+        .await
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .expect("its row");
+    let ended = KeyRow {
+        status: Some(500),
+        headers: None,
+        body: None,
+        ..recorded
+    };
+    h.rewrite_row("alice", key, &ended).await;
+    ended
+}
+
+/// A request of alice's on a fresh key, sent through `app` and held at a gate
+/// once its handler has started (its claim made): the key, and its answer to
+/// come once the gate opens.
+async fn hold_at_a_gate(app: &axum::Router) -> (String, tokio::task::JoinHandle<Got>) {
+    let key = format!("k-live-{}", crate::unique_suffix());
+    let (app, req) = (
+        app.clone(),
+        Req::post("alice", &key, BODY).header("x-gate", &key),
+    );
+    let held = tokio::spawn(async move { send(&app, &req).await });
+    crate::await_started(&key).await;
+    (key, held)
+}
+
 fn unreadable(got: &Got) -> bool {
     got.status == 500 && got.problem().as_deref() == Some("record-unreadable")
 }
@@ -580,25 +613,8 @@ pub async fn fingerprints_of_a_retired_key_are_never_another_body<H: Harness>() 
     let old = instance(&h, Sealing::On(ring(B)));
     let first = send(&old, &Req::post("alice", "k-ended", BODY)).await;
     assert_eq!(first.status, 201);
-    // What a transaction ended behind idem's back leaves, as the table holds it.
-    let rows = h.key_rows("alice").await;
-    let recorded = rows
-        .into_iter()
-        .find(|(k, _)| k == "k-ended")
-        .expect("its row")
-        .1;
-    assert_eq!(
-        recorded.fingerprint[..8],
-        id_of(B),
-        "keyed under the old key"
-    );
-    let ended = KeyRow {
-        status: Some(500),
-        headers: None,
-        body: None,
-        ..recorded
-    };
-    h.rewrite_row("alice", "k-ended", &ended).await;
+    let ended = end_behind_idems_back(&h, "k-ended").await;
+    assert_eq!(ended.fingerprint[..8], id_of(B), "keyed under the old key");
     let effects = h.effects("alice").await;
 
     let rotated = instance(&h, Sealing::On(ring(&format!("{A},{B}"))));
@@ -614,15 +630,7 @@ pub async fn fingerprints_of_a_retired_key_are_never_another_body<H: Harness>() 
         assert!(unreadable(&got), "{body}: {} {}", got.status, got.text());
     }
     // A claim in flight, keyed under the old key, held at a gate.
-    let key = format!("k-live-{}", crate::unique_suffix());
-    let held = {
-        let (old, req) = (
-            old.clone(),
-            Req::post("alice", &key, BODY).header("x-gate", &key),
-        );
-        tokio::spawn(async move { send(&old, &req).await })
-    };
-    crate::await_started(&key).await;
+    let (key, held) = hold_at_a_gate(&old).await;
     let got = send(&removed, &Req::post("alice", &key, BODY)).await;
     crate::app::open_gate(&key);
     assert_eq!(got.status, 409, "in flight: {}", got.text());
@@ -654,18 +662,7 @@ pub async fn audit_counts_what_each_key_still_holds<H: Harness>() {
     )
     .await;
     assert_eq!(plain.status, 201);
-    let rows = h.key_rows("alice").await;
-    let (_, recorded) = rows
-        .into_iter()
-        .find(|(k, _)| k == "k-ended")
-        .expect("its row");
-    let ended = KeyRow {
-        status: Some(500),
-        headers: None,
-        body: None,
-        ..recorded
-    };
-    h.rewrite_row("alice", "k-ended", &ended).await;
+    end_behind_idems_back(&h, "k-ended").await;
 
     let store = |keys: &str| -> Idempotency<H::DB> {
         h.instance_on(h.store().pool().clone())
@@ -706,15 +703,7 @@ pub async fn audit_counts_what_each_key_still_holds<H: Harness>() {
     );
 
     // A claim in flight keyed under the old key, held at a gate.
-    let key = format!("k-live-{}", crate::unique_suffix());
-    let held = {
-        let (old, req) = (
-            old.clone(),
-            Req::post("alice", &key, BODY).header("x-gate", &key),
-        );
-        tokio::spawn(async move { send(&old, &req).await })
-    };
-    crate::await_started(&key).await;
+    let (key, held) = hold_at_a_gate(&old).await;
     let during = auditor.audit(100).await;
     crate::app::open_gate(&key);
     let during = during.expect("audit");

@@ -10,7 +10,7 @@ use idem_axum::{
     Aborted, Action, Delivery, Idempotency, KeyRing, Options, Processed, Refused, Sealing, Stuck,
 };
 
-use crate::app::{Req, router_on, send};
+use crate::app::{Req, router_on, send, serializable_run};
 use crate::harness::Harness;
 use crate::start;
 
@@ -23,7 +23,36 @@ fn delivery(id: &str, payload: &str) -> Delivery {
 /// Processes `delivery` on `store`: the handler writes one effect and returns
 /// its id as text; `fail` makes it return an error after writing, `panic`
 /// panic after writing, `slow` wait 600 ms before writing.
+///
+/// On a run whose database defaults to SERIALIZABLE, a delivery that failed to
+/// serialize is delivered again, as a broker would (see
+/// [`retrying_serialization`](crate::app::retrying_serialization)).
 async fn charge<H: Harness>(
+    store: &Idempotency<H::DB>,
+    delivery: Delivery,
+    options: Options,
+    behave: &'static str,
+) -> Processed<String, String> {
+    let mut failed = false;
+    for tries in 1..=50 {
+        let processed = charge_once::<H>(store, delivery.clone(), options, behave).await;
+        let serialization = match &processed {
+            Processed::Failed(error) => error.contains("could not serialize"),
+            Processed::Unavailable => true,
+            _ => false,
+        };
+        let again = serialization || (failed && matches!(processed, Processed::InFlight { .. }));
+        if !(serializable_run() && again) {
+            return processed;
+        }
+        eprintln!("delivered again after {processed:?}");
+        failed |= serialization;
+        tokio::time::sleep(Duration::from_millis(5 * tries)).await;
+    }
+    panic!("still failing to serialize after 50 deliveries");
+}
+
+async fn charge_once<H: Harness>(
     store: &Idempotency<H::DB>,
     delivery: Delivery,
     options: Options,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::backend::{Backend, Differs};
-use crate::engine::{Failure, Refusal, RequestIdentity, Settled, Stored, Verdict, Work};
+use crate::engine::{Failure, Outcome, Refusal, RequestIdentity, Settled, Stored, Verdict, Work};
 use crate::key::{IdempotencyKey, InvalidKey};
 use crate::options::Options;
 use crate::store::Idempotency;
@@ -483,13 +483,12 @@ impl<DB: Backend> Idempotency<DB> {
             mut identity,
             invalid,
         } = delivery;
-        if let Some(invalid) = invalid {
-            return Processed::Refused(Refused::InvalidId(invalid));
-        }
-        if identity.key().is_none() {
-            return Processed::Refused(Refused::NoId);
-        }
         let label = identity.take_endpoint();
+        if invalid.is_some() || identity.key().is_none() {
+            // Counted as the engine counts the requests it refuses.
+            crate::metrics::request(Outcome::Refused.as_str(), label);
+            return Processed::Refused(invalid.map_or(Refused::NoId, Refused::InvalidId));
+        }
         if let Some(kept) = self.kept_settled(&identity, options) {
             crate::metrics::request(kept.outcome().as_str(), label);
             return processed(kept);

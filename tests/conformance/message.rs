@@ -129,14 +129,16 @@ pub async fn deliveries_run_once_and_give_back_their_result<H: Harness>() {
     let retried = charge::<H>(store, delivery("m-2", "{}"), options, "ok").await;
     assert!(matches!(retried, Processed::Ran(_)), "{retried:?}");
 
-    // No id, or one that is no key: never run.
-    let none = Delivery::new(None, "shop", SOURCE, b"{}");
+    // No id, or one that is no key: never run, and counted as refused.
+    let refusing = crate::harness::unique("orders.refused");
+    crate::sealing::metrics_text(); // the recorder, installed before they count
+    let none = Delivery::new(None, "shop", &*refusing, b"{}");
     let refused = charge::<H>(store, none, options, "ok").await;
     assert!(
         matches!(refused, Processed::Refused(Refused::NoId)),
         "{refused:?}"
     );
-    let control = Delivery::new(Some("m\n3"), "shop", SOURCE, b"{}");
+    let control = Delivery::new(Some("m\n3"), "shop", &*refusing, b"{}");
     let refused = charge::<H>(store, control, options, "ok").await;
     assert!(
         matches!(refused, Processed::Refused(Refused::InvalidId(_))),
@@ -144,6 +146,12 @@ pub async fn deliveries_run_once_and_give_back_their_result<H: Harness>() {
     );
     assert_eq!(refused.action(), Action::DeadLetter);
     assert_eq!(h.effects("shop").await, 2, "m-1 and m-2, once each");
+    let counted = format!("idem_requests_total{{outcome=\"refused\",endpoint=\"{refusing}\"}} 2");
+    let text = crate::sealing::metrics_text();
+    assert!(
+        text.lines().any(|line| line == counted),
+        "{counted} in:\n{text}"
+    );
     h.finish().await;
 }
 

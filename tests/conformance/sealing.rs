@@ -503,7 +503,7 @@ pub async fn reseal_lets_an_old_key_leave_the_ring<H: Harness>() {
 
 /// The process's Prometheus text: a recorder installed once for the whole run,
 /// so counts only grow, whichever test moves them.
-fn metrics_text() -> String {
+pub fn metrics_text() -> String {
     static HANDLE: std::sync::OnceLock<Option<metrics_exporter_prometheus::PrometheusHandle>> =
         std::sync::OnceLock::new();
     HANDLE

@@ -321,7 +321,7 @@ pub use idem_macros::idempotent;
 #[cfg(feature = "serde")]
 pub use idem_runtime::JsonRecord;
 pub use idem_runtime::{
-    Aborted, Action, Delivery, MIN_RETRY_AFTER, Processed, Refused, Replayable, Stuck,
+    Aborted, Action, Delivery, MIN_RETRY_AFTER, Processed, Refused, Replayable, Retries, Stuck,
 };
 pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
@@ -341,6 +341,10 @@ pub use idem_runtime::aide;
 pub use idem_runtime::axum;
 #[cfg(feature = "client")]
 pub use idem_runtime::client;
+#[cfg(feature = "async-nats")]
+pub use idem_runtime::jetstream;
+#[cfg(feature = "lapin")]
+pub use idem_runtime::rabbitmq;
 #[cfg(feature = "testing")]
 pub use idem_runtime::testing;
 #[cfg(feature = "utoipa")]

@@ -12,10 +12,14 @@ mod backend;
 mod cache;
 #[cfg(feature = "client")]
 pub mod client;
+mod consumer;
 mod digest;
 mod engine;
 #[cfg(feature = "testing")]
 mod hooks;
+#[cfg(feature = "async-nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "async-nats")))]
+pub mod jetstream;
 mod json;
 mod key;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
@@ -28,6 +32,9 @@ mod multipart;
 mod openapi;
 mod options;
 mod problem;
+#[cfg(feature = "lapin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "lapin")))]
+pub mod rabbitmq;
 mod random;
 mod record;
 mod reseal;
@@ -58,6 +65,7 @@ mod sqlite;
 pub use backend::Backend;
 pub use backend::KeyRecord;
 pub use backend::{Forgotten, InFlight};
+pub use consumer::Retries;
 pub use digest::fingerprint;
 pub use engine::{HandlerFuture, Outcome, RequestIdentity};
 pub use json::{InvalidJson, json_fingerprint};

@@ -263,7 +263,7 @@ macro_rules! dynamic_sql {
     };
 }
 
-fn unique(prefix: &str) -> String {
+pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -315,7 +315,7 @@ impl Drop for Leftover {
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-fn in_ci() -> bool {
+pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 

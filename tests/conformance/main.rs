@@ -25,6 +25,8 @@ fn a_backend_is_enabled() {
 
 mod app;
 mod bank;
+#[cfg(all(feature = "lapin", feature = "async-nats"))]
+mod broker;
 mod cache;
 #[cfg(feature = "mysql")]
 mod cluster;
@@ -1312,6 +1314,13 @@ async fn close_cancels_what_cannot_finish<H: Harness>() {
 }
 
 macro_rules! conformance {
+    // Tests that need more than a backend, in a module of their own.
+    (mod $group:ident: $($test:ident),* $(,)?) => {
+        mod $group {
+            use super::*;
+            conformance!($($test),*);
+        }
+    };
     ($($test:ident),* $(,)?) => {
         #[cfg(feature = "postgres")]
         mod postgres {
@@ -1433,4 +1442,27 @@ conformance!(
     redeliveries_at_once_run_each_message_once,
     messages_and_requests_never_share_a_key,
     message_records_are_sealed,
+);
+
+#[cfg(all(feature = "lapin", feature = "async-nats"))]
+use broker::{
+    jetstream_an_ack_wait_shorter_than_the_handler,
+    jetstream_duplicates_over_three_consumers_run_once,
+    jetstream_mismatches_and_failures_are_dead_lettered,
+    rabbitmq_a_check_then_insert_consumer_runs_messages_twice,
+    rabbitmq_a_consumer_cut_off_before_its_ack, rabbitmq_duplicates_over_three_consumers_run_once,
+    rabbitmq_mismatches_and_failures_are_dead_lettered,
+};
+
+// Messages from the brokers the machine runs (tests/conformance/broker.rs).
+#[cfg(all(feature = "lapin", feature = "async-nats"))]
+conformance!(
+    mod brokers:
+    rabbitmq_duplicates_over_three_consumers_run_once,
+    rabbitmq_a_consumer_cut_off_before_its_ack,
+    rabbitmq_mismatches_and_failures_are_dead_lettered,
+    rabbitmq_a_check_then_insert_consumer_runs_messages_twice,
+    jetstream_an_ack_wait_shorter_than_the_handler,
+    jetstream_duplicates_over_three_consumers_run_once,
+    jetstream_mismatches_and_failures_are_dead_lettered,
 );

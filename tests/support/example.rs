@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 
 /// The payments example, (re)built once per run: `cargo test --test payments` alone
 /// would otherwise find a stale one, or none.
+#[allow(dead_code)] // the orders consumer's test runs only its own example
 pub(crate) fn binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
@@ -18,6 +19,15 @@ pub(crate) fn binary() -> PathBuf {
 pub(crate) fn quickstart() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| build("quickstart", "sqlite")).clone()
+}
+
+/// The orders consumer example, built as its README line runs it.
+#[allow(dead_code)] // only its own test runs it
+pub(crate) fn orders_consumer() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| build("orders_consumer", "sqlite,lapin"))
+        .clone()
 }
 
 /// The operator's tool, `idem` (crate `idem-cli`).

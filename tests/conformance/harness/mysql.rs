@@ -267,8 +267,22 @@ impl Harness for My {
         }
         let settings = settings.join("; ");
         let pool = pool_running(options.clone().database(&database), 24, settings.clone()).await;
+        // On a cluster, the read-backs wait for this node to have applied what
+        // the cluster committed (through the other node too): a count read
+        // without it may miss a commit made there a moment ago.
+        let causal = std::env::var_os("IDEM_TEST_MYSQL_OTHER_URL").is_some();
         let plain = MySqlPoolOptions::new()
             .max_connections(8)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if causal {
+                        sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+                            .execute(conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_with(options.database(&database))
             .await
             .expect("connect to test database");

@@ -222,10 +222,14 @@ async fn main() {
         .await
     {
         Ok(admin) => {
-            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-                .execute(&admin)
-                .await
-                .expect("schema");
+            // Open to every role, as the public schema is: otherwise idem gives up
+            // its functions (upgrade 4) and sends the statements they stand for.
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE SCHEMA {schema}; GRANT USAGE ON SCHEMA {schema} TO PUBLIC"
+            )))
+            .execute(&admin)
+            .await
+            .expect("schema");
             let pool = PgPoolOptions::new()
                 .max_connections(8)
                 .connect_with(options.options([("search_path", schema.as_str())]))

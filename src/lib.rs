@@ -295,6 +295,49 @@
 ///
 /// At run time, every answer idem gives itself is listed in the crate docs' table.
 ///
+/// # Message handlers
+///
+/// `#[idempotent(message, key = …, scope = …, payload = …)]` makes an `async fn`
+/// that takes a [`Tx`] and returns `Result<T, E>` a message handler, run once per
+/// message id through [`Idempotency::process`]: `key` (a [`MessageId`]), `scope`
+/// (anything with `to_string`) and `payload` (the message's bytes) are
+/// expressions over its arguments. The rewritten function takes the store first,
+/// then the other arguments, and returns [`Processed<T, E>`](Processed); `T` is
+/// [`Replayable`]. `ttl`, `lock`, `wait`, `fingerprint` and `ignore` apply;
+/// `required`, `ttl_header`, `release_on` and `unscoped` are for axum handlers.
+/// The function's name is the delivery's source (docs/contract.md, §8).
+///
+/// ```rust,no_run
+/// # #[cfg(feature = "sqlite")]
+/// # mod example {
+/// use idem_axum::{Action, Idempotency, Tx, idempotent};
+/// use sqlx::Sqlite;
+///
+/// struct Order {
+///     id: u64,
+///     amount: i64,
+/// }
+///
+/// #[idempotent(message, key = order.id, scope = "orders", payload = &bytes, ttl = "7d")]
+/// async fn charge(bytes: Vec<u8>, order: Order, mut tx: Tx<Sqlite>) -> Result<String, sqlx::Error> {
+///     sqlx::query("INSERT INTO charges (order_id, amount) VALUES (?, ?)")
+///         .bind(order.id as i64)
+///         .bind(order.amount)
+///         .execute(&mut *tx)
+///         .await?;
+///     Ok(format!("ch_{}", order.id))
+/// }
+///
+/// async fn consume(store: &Idempotency<Sqlite>, bytes: Vec<u8>, order: Order) {
+///     match charge(store, bytes, order).await.action() {
+///         Action::Ack => { /* acknowledge: ran and committed, or done before */ }
+///         Action::Retry(after) => { /* deliver again, after `after` if given */ }
+///         Action::DeadLetter => { /* never to run: another payload, no id */ }
+///     }
+/// }
+/// # }
+/// ```
+///
 /// # Examples
 ///
 /// ```rust,no_run
@@ -354,7 +397,6 @@ pub use idem_runtime::{SeaConnection, SeaDriver, SeaSavepoint};
 
 /// Not public API: the paths generated code reaches the runtime through.
 #[doc(hidden)]
-#[cfg(feature = "axum")]
 pub mod __private {
     pub use idem_runtime::__macro_support::*;
 }

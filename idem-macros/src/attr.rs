@@ -1,12 +1,13 @@
 //! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
-//! `required`, `ttl_header`, `release_on`, `fingerprint`, `ignore`, `db`, `crate`.
+//! `required`, `ttl_header`, `release_on`, `fingerprint`, `ignore`, `db`, `crate`;
+//! and for a message handler, `message`, `key` and `payload`.
 
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Path, Token, Type};
 
 const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, \
-     `release_on`, `fingerprint`, `ignore`, `db`, `crate`";
+     `release_on`, `fingerprint`, `ignore`, `db`, `crate`, or `message` with `key` and `payload`";
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -21,6 +22,14 @@ pub(crate) struct Duration {
 
 #[derive(Default)]
 pub(crate) struct Args {
+    /// `message`: the function is a message handler, not an axum handler.
+    pub(crate) message: Option<Ident>,
+    /// A message's id, an expression over the handler's arguments.
+    pub(crate) key: Option<syn::Expr>,
+    /// A message's bytes, an expression over the handler's arguments.
+    pub(crate) payload: Option<syn::Expr>,
+    /// `scope` as written: a parameter's name (HTTP) or an expression (messages).
+    pub(crate) scope_expr: Option<syn::Expr>,
     pub(crate) scope: Option<LitStr>,
     pub(crate) unscoped: Option<LitBool>,
     pub(crate) ttl: Option<Duration>,
@@ -30,6 +39,8 @@ pub(crate) struct Args {
     pub(crate) ttl_header: Option<LitBool>,
     /// The 4xx statuses answered but not recorded, when written.
     pub(crate) release_on: Option<Vec<u16>>,
+    /// `release_on` as written, for an error that points at it.
+    pub(crate) release_on_at: Option<syn::Expr>,
     /// `fingerprint = "json"`: the body's JSON value is fingerprinted, not its bytes.
     pub(crate) json: bool,
     /// The JSON Pointers `ignore` leaves out of a JSON fingerprint.
@@ -68,8 +79,19 @@ impl Parse for Args {
             let name: Ident = Ident::parse_any(input).map_err(|e| {
                 Error::new(e.span(), format!("expected an option: one of {OPTIONS}"))
             })?;
-            input.parse::<Token![=]>()?;
             let key = name.to_string();
+            if key == "message" && (input.is_empty() || input.peek(Token![,])) {
+                if args.message.is_some() {
+                    errors.push(Error::new_spanned(&name, "duplicate option `message`"));
+                }
+                args.message = Some(name);
+                if input.is_empty() {
+                    break;
+                }
+                input.parse::<Token![,]>()?;
+                continue;
+            }
+            input.parse::<Token![=]>()?;
             if seen.contains(&key) {
                 errors.push(Error::new_spanned(
                     &name,
@@ -93,13 +115,20 @@ impl Parse for Args {
                         "expected a string, like `crate = \"pay\"`",
                     )),
                 },
-                "scope" => match input.parse()? {
-                    Lit::Str(lit) => args.scope = Some(lit),
-                    other => errors.push(Error::new_spanned(
-                        other,
-                        "expected the name of a handler parameter as a string, like `scope = \"user_id\"`",
-                    )),
-                },
+                // A string for an axum handler, any expression for a message
+                // handler: which one is known once every option is read.
+                "scope" => {
+                    let written: syn::Expr = input.parse()?;
+                    if let syn::Expr::Lit(syn::ExprLit {
+                        lit: Lit::Str(lit), ..
+                    }) = &written
+                    {
+                        args.scope = Some(lit.clone());
+                    }
+                    args.scope_expr = Some(written);
+                }
+                "key" => args.key = Some(input.parse()?),
+                "payload" => args.payload = Some(input.parse()?),
                 "ttl" | "lock" | "wait" => match input.parse()? {
                     Lit::Str(lit) => match parse_duration(&lit) {
                         Ok(millis) => {
@@ -119,7 +148,10 @@ impl Parse for Args {
                 },
                 "release_on" => match input.parse()? {
                     syn::Expr::Array(array) => match statuses(&array) {
-                        Ok(list) => args.release_on = Some(list),
+                        Ok(list) => {
+                            args.release_on = Some(list);
+                            args.release_on_at = Some(syn::Expr::Array(array));
+                        }
                         Err(error) => errors.push(error),
                     },
                     other => errors.push(Error::new_spanned(
@@ -169,6 +201,26 @@ impl Parse for Args {
                 break;
             }
             input.parse::<Token![,]>()?;
+        }
+        if args.message.is_none() {
+            if let (Some(written), None) = (&args.scope_expr, &args.scope) {
+                errors.push(Error::new_spanned(
+                    written,
+                    "expected the name of a handler parameter as a string, like `scope = \"user_id\"`",
+                ));
+            }
+            for (name, written) in [("key", &args.key), ("payload", &args.payload)] {
+                if let Some(written) = written {
+                    errors.push(Error::new_spanned(
+                        written,
+                        format!(
+                            "`{name}` is for message handlers, `#[idempotent(message, key = …, \
+                             payload = …, …)]`: an axum handler's key is its request's \
+                             `Idempotency-Key` header and its payload the request's body"
+                        ),
+                    ));
+                }
+            }
         }
         if let (Some(written), false) = (&ignore_at, args.json) {
             errors.push(Error::new_spanned(

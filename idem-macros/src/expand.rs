@@ -26,6 +26,14 @@ pub(crate) fn idempotent(
         }
     };
     let args = syn::parse2::<Args>(args);
+    if let Ok(parsed) = &args
+        && let Some(message) = &parsed.message
+    {
+        return match crate::message::expand(parsed, message, &func, facade) {
+            Ok(tokens) => tokens,
+            Err(error) => with_errors(&func, error),
+        };
+    }
     match (args, Handler::analyze(&func)) {
         (Ok(args), Ok(handler)) => match not_built_for(args.db.as_ref().or(handler.db)) {
             Some(error) => not_built(&func, error),
@@ -40,6 +48,29 @@ pub(crate) fn idempotent(
         }
         (Err(error), _) | (_, Err(error)) => with_errors(&func, error),
     }
+}
+
+/// The path generated code reaches the runtime through: `crate = "…"`'s, or the
+/// name the crate's Cargo.toml gives idem-axum.
+pub(crate) fn private_path(
+    args: &Args,
+    facade: impl FnOnce() -> Found,
+    errors: &mut Errors,
+) -> TokenStream {
+    if let Some(path) = &args.krate {
+        return quote!(#path::__private);
+    }
+    let name = match facade() {
+        Found::Named(name) => syn::parse_str::<Ident>(&name).ok(),
+        // Outside Cargo: the package's own name is the best guess.
+        Found::Unknown => None,
+        Found::Missing => {
+            errors.push(Error::new(Span::call_site(), NO_FACADE));
+            None
+        }
+    };
+    let name = name.unwrap_or_else(|| Ident::new("idem_axum", Span::call_site()));
+    quote!(::#name::__private)
 }
 
 /// The crate's Cargo.toml names no dependency on idem-axum: the attribute came
@@ -240,22 +271,7 @@ impl<'a> Handler<'a> {
         facade: impl FnOnce() -> Found,
     ) -> syn::Result<TokenStream> {
         let mut errors = Errors::default();
-        let private = match &args.krate {
-            Some(path) => quote!(#path::__private),
-            None => {
-                let name = match facade() {
-                    Found::Named(name) => syn::parse_str::<Ident>(&name).ok(),
-                    // Outside Cargo: the package's own name is the best guess.
-                    Found::Unknown => None,
-                    Found::Missing => {
-                        errors.push(Error::new(Span::call_site(), NO_FACADE));
-                        None
-                    }
-                };
-                let name = name.unwrap_or_else(|| Ident::new("idem_axum", Span::call_site()));
-                quote!(::#name::__private)
-            }
-        };
+        let private = private_path(args, facade, &mut errors);
         let call = Ident::new("__idem_call", Span::mixed_site());
         let scope = Ident::new("__idem_scope", Span::mixed_site());
         let mark = Ident::new("__idem_mark", Span::mixed_site());
@@ -504,13 +520,13 @@ impl<'a> Handler<'a> {
 }
 
 /// Whether `ty`'s path ends in `name`: a hint only, since an alias hides it.
-fn is_named(ty: &Type, name: &str) -> bool {
+pub(crate) fn is_named(ty: &Type, name: &str) -> bool {
     last_segment(ty).is_some_and(|segment| segment.ident == name)
 }
 
 /// `Some(Some(db))` for `Tx<DB>` (any path ending in `Tx`), `Some(None)` for a `Tx`
 /// without a database argument, `None` otherwise.
-fn tx_database(ty: &Type) -> Option<Option<&Type>> {
+pub(crate) fn tx_database(ty: &Type) -> Option<Option<&Type>> {
     let segment = last_segment(ty)?;
     if segment.ident != "Tx" {
         return None;
@@ -535,7 +551,7 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
 
 /// Every name `pat` binds, wherever it sits (`user_id`, `AuthUser(user_id)`,
 /// `Path((org, user_id))`, ...).
-fn bindings<'p>(pat: &'p Pat, out: &mut Vec<&'p Ident>) {
+pub(crate) fn bindings<'p>(pat: &'p Pat, out: &mut Vec<&'p Ident>) {
     match pat {
         Pat::Ident(p) => {
             out.push(&p.ident);
@@ -563,7 +579,7 @@ fn binds<'p>(pat: &'p Pat, wanted: &str) -> Option<&'p Ident> {
 /// An unreachable `return` of the declared type, so that `?` inside the body knows
 /// which error type to convert into. Skipped for `impl Trait`, which cannot be
 /// named in a `let`.
-fn return_type_guard(output: &ReturnType) -> TokenStream {
+pub(crate) fn return_type_guard(output: &ReturnType) -> TokenStream {
     let ty = match output {
         ReturnType::Default => quote!(()),
         ReturnType::Type(_, ty) if matches!(**ty, Type::ImplTrait(_)) => return TokenStream::new(),

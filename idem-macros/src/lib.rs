@@ -7,6 +7,7 @@ use proc_macro::TokenStream;
 mod attr;
 mod expand;
 mod facade;
+mod message;
 
 /// Makes an axum handler exactly-once under the `Idempotency-Key` header.
 ///

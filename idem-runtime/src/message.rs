@@ -108,6 +108,67 @@ impl Delivery {
     }
 }
 
+/// What a message handler's `key = …` gives: the message's id, or `None` when
+/// the message carries none (it is then refused, never run).
+///
+/// Implemented for strings, the integer types, and `Option` of any of these.
+///
+/// # Examples
+///
+/// ```
+/// # extern crate idem_runtime as idem_axum;
+/// use idem_axum::MessageId;
+///
+/// assert_eq!(42_u64.message_id().as_deref(), Some("42"));
+/// assert_eq!("ord-42".message_id().as_deref(), Some("ord-42"));
+/// assert_eq!(None::<&str>.message_id(), None);
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a message id",
+    label = "`key = …` must give a message id",
+    note = "give a string, an integer or an `Option` of one: `key = order.id`, \
+            `key = delivery.properties.message_id().as_ref().map(|id| id.as_str())`"
+)]
+pub trait MessageId {
+    /// The id as text, or `None` when there is none.
+    fn message_id(&self) -> Option<String>;
+}
+
+impl MessageId for str {
+    fn message_id(&self) -> Option<String> {
+        Some(self.to_owned())
+    }
+}
+
+impl MessageId for String {
+    fn message_id(&self) -> Option<String> {
+        Some(self.clone())
+    }
+}
+
+impl<T: MessageId + ?Sized> MessageId for &T {
+    fn message_id(&self) -> Option<String> {
+        (**self).message_id()
+    }
+}
+
+impl<T: MessageId> MessageId for Option<T> {
+    fn message_id(&self) -> Option<String> {
+        self.as_ref().and_then(MessageId::message_id)
+    }
+}
+
+macro_rules! integer_ids {
+    ($($t:ty),*) => {$(
+        impl MessageId for $t {
+            fn message_id(&self) -> Option<String> {
+                Some(self.to_string())
+            }
+        }
+    )*};
+}
+integer_ids!(u16, u32, u64, u128, usize, i16, i32, i64, i128, isize);
+
 /// A handler's result as a delivery's record holds it, and as later
 /// deliveries of the same message get it back.
 ///
@@ -139,6 +200,12 @@ impl Delivery {
 /// let record = ChargeId(42).to_record().unwrap();
 /// assert_eq!(ChargeId::from_record(record).unwrap().0, 42);
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be recorded as a message's result",
+    label = "not `Replayable`",
+    note = "return `()`, `String`, `Vec<u8>` or `Bytes`, wrap a serde type in `JsonRecord` \
+            (feature `serde`), or implement `Replayable` for `{Self}`"
+)]
 pub trait Replayable: Sized + Send + 'static {
     /// The content type it is recorded under (what `idem show` prints).
     const CONTENT_TYPE: &'static str;

@@ -82,8 +82,9 @@ use harness::{Pg, PgParted};
 use json::{browser_sent_keys_are_keys, json_fingerprints_compare_values_not_bytes};
 use kit::the_testing_kit_proves_handlers_exactly_once;
 use message::{
-    deliveries_run_once_and_give_back_their_result, message_records_are_sealed,
-    messages_and_requests_never_share_a_key, redeliveries_at_once_run_each_message_once,
+    deliveries_run_once_and_give_back_their_result, message_attribute_runs_each_message_once,
+    message_records_are_sealed, messages_and_requests_never_share_a_key,
+    redeliveries_at_once_run_each_message_once,
 };
 use operator::operators_never_delete_or_wait_for_a_key_in_flight;
 use realistic::{
@@ -1442,6 +1443,7 @@ conformance!(
     redeliveries_at_once_run_each_message_once,
     messages_and_requests_never_share_a_key,
     message_records_are_sealed,
+    message_attribute_runs_each_message_once,
 );
 
 #[cfg(all(feature = "lapin", feature = "async-nats"))]

@@ -290,3 +290,143 @@ pub async fn message_records_are_sealed<H: Harness>() {
     assert_eq!(h.effects("shop").await, 1);
     h.finish().await;
 }
+
+/// An order as a broker delivers it: its id, and its bytes as received.
+#[derive(Clone)]
+struct Order {
+    id: Option<String>,
+    shop: String,
+    bytes: Vec<u8>,
+}
+
+impl Order {
+    fn new(id: &str, bytes: &str) -> Self {
+        Self {
+            id: Some(id.to_owned()),
+            shop: "shop".to_owned(),
+            bytes: bytes.as_bytes().to_vec(),
+        }
+    }
+}
+
+/// The attribute on a message handler: the id, the scope and the payload are
+/// expressions over its arguments; `decline` fails it after its write.
+#[idem_axum::idempotent(
+    message,
+    key = order.id.as_deref(),
+    scope = order.shop,
+    payload = &order.bytes,
+    fingerprint = "json",
+    lock = "10s",
+    db = H::DB
+)]
+async fn settle<H: Harness>(
+    order: Order,
+    decline: bool,
+    mut tx: idem_axum::Tx<H::DB>,
+) -> Result<String, String> {
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let id = H::insert_effect(&mut tx, &order.shop, "settle")
+        .await
+        .map_err(|error| error.to_string())?;
+    if decline {
+        return Err("card declined".to_owned());
+    }
+    Ok(format!("charge-{id}"))
+}
+
+/// `settle` until it comes to more than `InFlight` (or, on a SERIALIZABLE
+/// run, a lost serialization race), as a broker delivers again.
+async fn settle_until<H: Harness>(
+    store: &Idempotency<H::DB>,
+    order: Order,
+    decline: bool,
+) -> Processed<String, String> {
+    for tries in 1..=200 {
+        let processed = settle::<H>(store, order.clone(), decline).await;
+        let again = match &processed {
+            Processed::InFlight { retry_after } => {
+                assert!(*retry_after >= Duration::from_secs(1), "{retry_after:?}");
+                true
+            }
+            Processed::Failed(error) => serializable_run() && error.contains("could not serialize"),
+            Processed::Unavailable => serializable_run(),
+            _ => false,
+        };
+        if !again {
+            return processed;
+        }
+        tokio::time::sleep(Duration::from_millis(5 * tries.min(20))).await;
+    }
+    panic!("still not settled after 200 deliveries");
+}
+
+/// `#[idempotent(message, …)]` keeps the contract of `process`: 16 orders
+/// delivered 4 times at once over two instances run once each, and every
+/// delivery gets the first's result; the same order with its JSON keys in
+/// another order is the same message, with another amount a mismatch; a
+/// declined order leaves nothing and runs again; an order without an id never
+/// runs. Counted on the `effects` table.
+pub async fn message_attribute_runs_each_message_once<H: Harness>() {
+    let Some(h) = start::<H>().await else { return };
+    let stores = [h.store().clone(), h.another_instance()];
+    let mut runs = Vec::new();
+    for n in 0..16 {
+        for copy in 0..4 {
+            let store = stores[copy % 2].clone();
+            let order = Order::new(
+                &format!("o-{n}"),
+                &format!(r#"{{"order":{n},"amount":100}}"#),
+            );
+            runs.push(tokio::spawn(async move {
+                let processed = settle_until::<H>(&store, order.clone(), false).await;
+                (order.id, processed)
+            }));
+        }
+    }
+    let mut results = std::collections::HashMap::new();
+    for run in runs {
+        let (id, processed) = run.await.expect("a delivery");
+        let (Processed::Ran(result) | Processed::Done(result)) = processed else {
+            panic!("{id:?}: {processed:?}");
+        };
+        let first = results.entry(id).or_insert_with(|| result.clone());
+        assert_eq!(first, &result, "every delivery gets the first's result");
+    }
+    assert_eq!(results.len(), 16, "every order settled");
+    assert_eq!(h.effects("shop").await, 16, "once each");
+
+    let respelled = Order::new("o-3", r#"{ "amount": 100, "order": 3 }"#);
+    let again = settle_until::<H>(&stores[1], respelled, false).await;
+    assert!(
+        matches!(again, Processed::Done(ref r) if Some(r) == results.get(&Some("o-3".to_owned()))),
+        "{again:?}"
+    );
+    let changed = Order::new("o-3", r#"{"order":3,"amount":999}"#);
+    let changed = settle_until::<H>(&stores[0], changed, false).await;
+    assert!(
+        matches!(changed, Processed::Mismatch { part: "payload" }),
+        "{changed:?}"
+    );
+    assert_eq!(changed.action(), Action::DeadLetter);
+
+    let declined = settle_until::<H>(&stores[0], Order::new("o-99", "{}"), true).await;
+    assert!(matches!(declined, Processed::Failed(ref e) if e == "card declined"));
+    assert_eq!(
+        h.effects("shop").await,
+        16,
+        "the declined write rolled back"
+    );
+    let retried = settle_until::<H>(&stores[1], Order::new("o-99", "{}"), false).await;
+    assert!(matches!(retried, Processed::Ran(_)), "{retried:?}");
+
+    let mut anonymous = Order::new("unused", "{}");
+    anonymous.id = None;
+    let refused = settle_until::<H>(&stores[0], anonymous, false).await;
+    assert!(
+        matches!(refused, Processed::Refused(Refused::NoId)),
+        "{refused:?}"
+    );
+    assert_eq!(h.effects("shop").await, 17, "16 orders and o-99, once each");
+    h.finish().await;
+}

@@ -364,7 +364,8 @@ pub use idem_macros::idempotent;
 #[cfg(feature = "serde")]
 pub use idem_runtime::JsonRecord;
 pub use idem_runtime::{
-    Aborted, Action, Delivery, MIN_RETRY_AFTER, Processed, Refused, Replayable, Retries, Stuck,
+    Aborted, Action, Delivery, MIN_RETRY_AFTER, MessageId, Processed, Refused, Replayable, Retries,
+    Stuck,
 };
 pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,

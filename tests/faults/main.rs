@@ -6,7 +6,7 @@
 //! IDEM_FAULTS=full cargo test --all-features --test faults   # more keys, longer storms
 //! IDEM_FAULTS_ONLY=hang cargo test --all-features --test faults   # one scenario: crash, sigterm, hang,
 //!                                                  # killed, locked, pool, storm,
-//!                                                  # hostile or restart
+//!                                                  # hostile, rabbitmq, jetstream or restart
 //! IDEM_FAULTS_RESTART=1 ...                   # lets it restart the database servers
 //! IDEM_FAULTS_ONLY=failover cargo test --all-features --test faults
 //!                  # PostgreSQL under Patroni, failed over (opt-in: needs root and
@@ -33,6 +33,7 @@
 #[path = "../support/example.rs"]
 mod example;
 
+mod brokers;
 mod cluster;
 mod db;
 mod failover;
@@ -75,6 +76,8 @@ enum Scenario {
     TwoInstances,
     Hostile,
     TableLocked,
+    RabbitMq,
+    JetStream,
     Restart,
 }
 
@@ -89,6 +92,8 @@ impl Scenario {
             Self::TwoInstances => "storm",
             Self::Hostile => "hostile",
             Self::TableLocked => "locked",
+            Self::RabbitMq => "rabbitmq",
+            Self::JetStream => "jetstream",
             Self::Restart => "restart",
         }
     }
@@ -120,6 +125,8 @@ async fn run_one(scenario: Scenario, backend: Backend, scale: &Scale) -> Option<
         Scenario::TwoInstances => scenarios::two_instances(&db, scale).await,
         Scenario::Hostile => scenarios::hostile(&db).await,
         Scenario::TableLocked => scenarios::table_locked(&db).await,
+        Scenario::RabbitMq => brokers::restarted(&db, brokers::Broker::RabbitMq).await,
+        Scenario::JetStream => brokers::restarted(&db, brokers::Broker::JetStream).await,
         Scenario::Restart => scenarios::restart(&db).await,
     };
     db.drop_all().await;
@@ -183,7 +190,9 @@ async fn run() -> ExitCode {
         Scenario::PoolExhausted,
         Scenario::TwoInstances,
         Scenario::Hostile,
-        // Last: it restarts the database servers the others use.
+        // These restart the brokers and the database servers the others use.
+        Scenario::RabbitMq,
+        Scenario::JetStream,
         Scenario::Restart,
     ] {
         if only.as_deref().is_some_and(|only| only != scenario.tag()) {

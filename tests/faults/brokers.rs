@@ -153,8 +153,10 @@ async fn run<DB: idem_axum::Backend>(
                     .expect("runs")
                     .entry(id.clone())
                     .or_default() += 1;
-                // Long enough that the stream is still flowing when the faults come.
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                // About ten runs are inside their transactions at any time
+                // (orders arrive at about 50 a second): the database's fault
+                // ends some of them.
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 sqlx::query(insert)
                     .bind(id.clone())
                     .execute(&mut *tx)

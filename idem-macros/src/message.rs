@@ -173,8 +173,8 @@ pub(crate) fn expand(
     let (tx_pat, tx_ty) = (&tx.pat, &tx.ty);
     let guard = return_type_guard(&sig.output);
     let body = &func.block;
-    // Spanned at the return type: a result that is not a `Result`, or one that
-    // cannot be recorded, is one error there.
+    // One call carries every bound a handler's result must meet, so that a
+    // result that is not a `Result`, or cannot be recorded, is one error.
     let process = quote_spanned! {ret.span()=> #private::process };
     let attrs = &func.attrs;
     let vis = &func.vis;

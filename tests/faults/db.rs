@@ -293,7 +293,14 @@ impl Fresh {
                         Ok(Held::MySql(conn))
                     }
                     Backend::Sqlite => {
-                        let mut conn = sqlx::SqliteConnection::connect(&url).await?;
+                        // Behind the writers already in their transactions, as a
+                        // migration would be: without a busy timeout it fails at once.
+                        let options =
+                            <sqlx::sqlite::SqliteConnectOptions as std::str::FromStr>::from_str(
+                                &url,
+                            )?
+                            .busy_timeout(std::time::Duration::from_secs(30));
+                        let mut conn = sqlx::SqliteConnection::connect_with(&options).await?;
                         sqlx::raw_sql("BEGIN EXCLUSIVE").execute(&mut conn).await?;
                         Ok(Held::Sqlite(conn))
                     }

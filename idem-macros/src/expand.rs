@@ -520,7 +520,7 @@ impl<'a> Handler<'a> {
 }
 
 /// Whether `ty`'s path ends in `name`: a hint only, since an alias hides it.
-pub(crate) fn is_named(ty: &Type, name: &str) -> bool {
+fn is_named(ty: &Type, name: &str) -> bool {
     last_segment(ty).is_some_and(|segment| segment.ident == name)
 }
 

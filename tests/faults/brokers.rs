@@ -94,9 +94,36 @@ pub async fn restarted(db: &Fresh, broker: Broker) -> Row {
         Err(error) => return row.failed(format!("setup: {error}")),
     };
     match stores {
-        Stores::Postgres(store) => run(db, broker, store, "$1", &mut row).await,
-        Stores::MySql(store) => run(db, broker, store, "?", &mut row).await,
-        Stores::Sqlite(store) => run(db, broker, store, "?", &mut row).await,
+        Stores::Postgres(store) => {
+            run(
+                db,
+                broker,
+                store,
+                "INSERT INTO effects (note) VALUES ($1)",
+                &mut row,
+            )
+            .await
+        }
+        Stores::MySql(store) => {
+            run(
+                db,
+                broker,
+                store,
+                "INSERT INTO effects (note) VALUES (?)",
+                &mut row,
+            )
+            .await
+        }
+        Stores::Sqlite(store) => {
+            run(
+                db,
+                broker,
+                store,
+                "INSERT INTO effects (note) VALUES (?)",
+                &mut row,
+            )
+            .await
+        }
     }
     row
 }
@@ -129,7 +156,7 @@ async fn run<DB: idem_axum::Backend>(
     db: &Fresh,
     broker: Broker,
     store: Idempotency<DB>,
-    placeholder: &'static str,
+    insert: &'static str,
     row: &mut Row,
 ) where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -139,8 +166,6 @@ async fn run<DB: idem_axum::Backend>(
     i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
-    let insert: &'static str =
-        Box::leak(format!("INSERT INTO effects (note) VALUES ({placeholder})").into_boxed_str());
     let provider = Arc::new(Provider::default());
     let handler = {
         let provider = Arc::clone(&provider);

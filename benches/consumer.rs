@@ -1,8 +1,16 @@
-//! Messages per second through a consumer's handler, three ways, paired in one
-//! run on each backend: a bare at-least-once consumer (the business write in a
-//! transaction, duplicates run again), a hand-written inbox (the message id
-//! inserted in the same transaction, a duplicate found by its key: the floor),
-//! and idem's `Idempotency::process`.
+//! Messages per second through a consumer's handler, four ways, paired in one
+//! run on each backend:
+//! - `bare`: an at-least-once consumer (the business write in a transaction;
+//!   duplicates run again);
+//! - `inbox`: a hand-written inbox, the message id inserted in the same
+//!   transaction, a duplicate found by its key (the issue's floor);
+//! - `guarded`: the inbox with what idem's answers need: the payload's
+//!   fingerprint stored with the id and compared on a duplicate, the result
+//!   recorded with the business write and handed to the duplicate, and, on
+//!   PostgreSQL, the transaction bounded by the server as a claim's lock bounds
+//!   it. It still waits on the row's lock for a delivery in flight, where idem
+//!   defers it, and keeps no expiry, scope or source;
+//! - `idem`: `Idempotency::process`.
 //!
 //! ```text
 //! cargo bench --all-features --bench consumer                        # 3 rounds × 3 s
@@ -13,8 +21,8 @@
 //! eight does; the broker is left out, so that what is measured is what each
 //! design sends to the database. A stream has 0 % or 20 % redeliveries (every
 //! fifth message the id of one 200 messages earlier, done by then). Rounds
-//! alternate the variants; the ratio idem / inbox is taken within each round,
-//! and its median reported. Servers are found as in the test suite
+//! alternate the variants; idem / inbox and idem / guarded are taken within each
+//! round, and their medians reported. Servers are found as in the test suite
 //! (`IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL`); an unreachable one is
 //! skipped.
 
@@ -31,6 +39,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, MySql, Postgres, Sqlite};
 
 use common::{INSERT, Settings, measure};
+use sha2::{Digest, Sha256};
 
 const WORKERS: usize = 8;
 const PAYLOAD: &[u8] = br#"{"order":42,"amount":1000}"#;
@@ -39,6 +48,7 @@ const PAYLOAD: &[u8] = br#"{"order":42,"amount":1000}"#;
 enum Variant {
     Bare,
     Inbox,
+    Guarded,
     Idem,
 }
 
@@ -47,6 +57,7 @@ impl Variant {
         match self {
             Self::Bare => "bare",
             Self::Inbox => "inbox",
+            Self::Guarded => "guarded",
             Self::Idem => "idem",
         }
     }
@@ -64,44 +75,115 @@ fn message_id(prefix: &str, n: u64, redelivered: u64) -> String {
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// The hand-written inbox's statement, in each backend's dialect.
+/// A value bound to an inbox's statement.
+enum Bound {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// The hand-written inboxes' statements, in each backend's dialect.
 trait Inbox: Backend {
-    /// Inserts `id` into the inbox unless it is there: whether it was new.
-    fn insert_id<'a>(
+    /// The inboxes' tables.
+    const TABLES: &'static str;
+    /// Opens the guarded inbox's transaction: bounded, where the backend has
+    /// settings of the transaction, as idem bounds a claim's by its lock.
+    const BEGIN_GUARDED: &'static str;
+    /// Inserts the id, and the payload's fingerprint for the guarded inbox, unless
+    /// the id is there.
+    const INSERT_ID: &'static str;
+    const INSERT_GUARDED: &'static str;
+    /// What a duplicate is answered from: the first delivery's fingerprint and
+    /// result.
+    const FOUND: &'static str;
+    const RECORD: &'static str;
+
+    /// Runs `sql` with `binds`: the rows it changed.
+    fn run<'a>(
+        conn: &'a mut <Self as sqlx::Database>::Connection,
+        sql: &'static str,
+        binds: Vec<Bound>,
+    ) -> BoxFuture<'a, u64>;
+
+    /// The fingerprint and result stored for `id`.
+    fn found<'a>(
         conn: &'a mut <Self as sqlx::Database>::Connection,
         id: String,
-    ) -> BoxFuture<'a, bool>;
+    ) -> BoxFuture<'a, (Vec<u8>, Option<Vec<u8>>)>;
 }
 
-impl Inbox for Postgres {
-    fn insert_id<'a>(conn: &'a mut sqlx::PgConnection, id: String) -> BoxFuture<'a, bool> {
-        Box::pin(async move {
-            let sql = "INSERT INTO inbox (id) VALUES ($1) ON CONFLICT DO NOTHING";
-            let done = sqlx::query(sql).bind(id).execute(conn).await;
-            done.expect("inbox").rows_affected() == 1
-        })
-    }
+/// The inboxes' statements of one backend, `$n` or `?` as its placeholders.
+macro_rules! inbox {
+    ($db:ty, $conn:ty, tables: $tables:expr, begin: $begin:expr,
+     insert: $insert:expr, guarded: $guarded:expr, found: $found:expr, record: $record:expr) => {
+        impl Inbox for $db {
+            const TABLES: &'static str = $tables;
+            const BEGIN_GUARDED: &'static str = $begin;
+            const INSERT_ID: &'static str = $insert;
+            const INSERT_GUARDED: &'static str = $guarded;
+            const FOUND: &'static str = $found;
+            const RECORD: &'static str = $record;
+
+            fn run<'a>(
+                conn: &'a mut $conn,
+                sql: &'static str,
+                binds: Vec<Bound>,
+            ) -> BoxFuture<'a, u64> {
+                Box::pin(async move {
+                    let query = binds.into_iter().fold(sqlx::query(sql), |q, b| match b {
+                        Bound::Text(text) => q.bind(text),
+                        Bound::Bytes(bytes) => q.bind(bytes),
+                    });
+                    query.execute(conn).await.expect("inbox").rows_affected()
+                })
+            }
+
+            fn found<'a>(
+                conn: &'a mut $conn,
+                id: String,
+            ) -> BoxFuture<'a, (Vec<u8>, Option<Vec<u8>>)> {
+                Box::pin(async move {
+                    sqlx::query_as(Self::FOUND)
+                        .bind(id)
+                        .fetch_one(conn)
+                        .await
+                        .expect("found")
+                })
+            }
+        }
+    };
 }
 
-impl Inbox for MySql {
-    fn insert_id<'a>(conn: &'a mut sqlx::MySqlConnection, id: String) -> BoxFuture<'a, bool> {
-        Box::pin(async move {
-            let sql = "INSERT IGNORE INTO inbox (id) VALUES (?)";
-            let done = sqlx::query(sql).bind(id).execute(conn).await;
-            done.expect("inbox").rows_affected() == 1
-        })
-    }
-}
+inbox!(Postgres, sqlx::PgConnection,
+    tables: "CREATE TABLE inbox (id VARCHAR(255) PRIMARY KEY); \
+             CREATE TABLE guarded_inbox (id VARCHAR(255) PRIMARY KEY, \
+                 fingerprint BYTEA NOT NULL, result BYTEA)",
+    begin: "BEGIN; SET LOCAL statement_timeout = 30000; \
+            SET LOCAL idle_in_transaction_session_timeout = 30000",
+    insert: "INSERT INTO inbox (id) VALUES ($1) ON CONFLICT DO NOTHING",
+    guarded: "INSERT INTO guarded_inbox (id, fingerprint) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    found: "SELECT fingerprint, result FROM guarded_inbox WHERE id = $1",
+    record: "UPDATE guarded_inbox SET result = $1 WHERE id = $2");
 
-impl Inbox for Sqlite {
-    fn insert_id<'a>(conn: &'a mut sqlx::SqliteConnection, id: String) -> BoxFuture<'a, bool> {
-        Box::pin(async move {
-            let sql = "INSERT INTO inbox (id) VALUES (?) ON CONFLICT DO NOTHING";
-            let done = sqlx::query(sql).bind(id).execute(conn).await;
-            done.expect("inbox").rows_affected() == 1
-        })
-    }
-}
+// MySQL has no setting of the transaction alone: its guarded inbox is unbounded.
+inbox!(MySql, sqlx::MySqlConnection,
+    tables: "CREATE TABLE inbox (id VARCHAR(255) PRIMARY KEY); \
+             CREATE TABLE guarded_inbox (id VARCHAR(255) PRIMARY KEY, \
+                 fingerprint VARBINARY(32) NOT NULL, result BLOB)",
+    begin: "BEGIN",
+    insert: "INSERT IGNORE INTO inbox (id) VALUES (?)",
+    guarded: "INSERT IGNORE INTO guarded_inbox (id, fingerprint) VALUES (?, ?)",
+    found: "SELECT fingerprint, result FROM guarded_inbox WHERE id = ?",
+    record: "UPDATE guarded_inbox SET result = ? WHERE id = ?");
+
+inbox!(Sqlite, sqlx::SqliteConnection,
+    tables: "CREATE TABLE inbox (id VARCHAR(255) PRIMARY KEY); \
+             CREATE TABLE guarded_inbox (id VARCHAR(255) PRIMARY KEY, \
+                 fingerprint BLOB NOT NULL, result BLOB)",
+    begin: "BEGIN",
+    insert: "INSERT INTO inbox (id) VALUES (?) ON CONFLICT DO NOTHING",
+    guarded: "INSERT INTO guarded_inbox (id, fingerprint) VALUES (?, ?) ON CONFLICT DO NOTHING",
+    found: "SELECT fingerprint, result FROM guarded_inbox WHERE id = ?",
+    record: "UPDATE guarded_inbox SET result = ? WHERE id = ?");
 
 /// One message through `variant`.
 async fn consume<DB: Inbox>(variant: Variant, store: &Idempotency<DB>, id: String)
@@ -117,10 +199,32 @@ where
         }
         Variant::Inbox => {
             let mut tx = store.pool().begin().await.expect("begin");
-            if DB::insert_id(&mut tx, id).await {
+            if DB::run(&mut tx, DB::INSERT_ID, vec![Bound::Text(id)]).await == 1 {
                 sqlx::query(INSERT).execute(&mut *tx).await.expect("insert");
             }
             tx.commit().await.expect("commit");
+        }
+        Variant::Guarded => {
+            let fingerprint = Sha256::digest(PAYLOAD).to_vec();
+            let mut tx = store
+                .pool()
+                .begin_with(DB::BEGIN_GUARDED)
+                .await
+                .expect("begin");
+            let claim = vec![Bound::Text(id.clone()), Bound::Bytes(fingerprint.clone())];
+            if DB::run(&mut tx, DB::INSERT_GUARDED, claim).await == 1 {
+                sqlx::query(INSERT).execute(&mut *tx).await.expect("insert");
+                // The result, as idem records `()`.
+                let record = vec![Bound::Bytes(b"null".to_vec()), Bound::Text(id)];
+                DB::run(&mut tx, DB::RECORD, record).await;
+                tx.commit().await.expect("commit");
+            } else {
+                // A duplicate: the first's result, unless the payload differs; one
+                // in flight waits on the row's lock, as the inbox's does.
+                let (stored, result) = DB::found(&mut tx, id).await;
+                assert!(stored == fingerprint && result.is_some(), "mismatch");
+                tx.commit().await.expect("commit");
+            }
         }
         Variant::Idem => {
             let delivery = Delivery::new(Some(&id), "bench", "orders", PAYLOAD);
@@ -153,14 +257,19 @@ async fn rounds<DB: Inbox>(
     for<'a> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
 {
     for redelivered in [0, 20] {
-        let mut rates = [Vec::new(), Vec::new(), Vec::new()];
-        let mut ratios = Vec::new();
+        let mut rates: [Vec<f64>; 4] = Default::default();
+        let (mut to_inbox, mut to_guarded) = (Vec::new(), Vec::new());
         for round in 0..rounds {
             // Each round starts with another variant, so that none always runs on
             // the warmest (or the most bloated) table.
-            let mut order = [Variant::Bare, Variant::Inbox, Variant::Idem];
-            order.rotate_left(round % 3);
-            let mut this = [0.0; 3];
+            let mut order = [
+                Variant::Bare,
+                Variant::Inbox,
+                Variant::Guarded,
+                Variant::Idem,
+            ];
+            order.rotate_left(round % 4);
+            let mut this = [0.0; 4];
             for variant in order {
                 let prefix = format!("{}-{redelivered}-{round}", variant.name());
                 let store = store.clone();
@@ -173,24 +282,29 @@ async fn rounds<DB: Inbox>(
                 this[variant as usize] = rate;
                 rates[variant as usize].push(rate);
             }
-            ratios.push(this[Variant::Idem as usize] / this[Variant::Inbox as usize]);
+            let idem = this[Variant::Idem as usize];
+            to_inbox.push(idem / this[Variant::Inbox as usize]);
+            to_guarded.push(idem / this[Variant::Guarded as usize]);
         }
-        let median = |values: &mut Vec<f64>| {
-            values.sort_by(f64::total_cmp);
-            values[values.len() / 2]
-        };
-        let (low, high) = (
-            ratios.iter().copied().fold(f64::MAX, f64::min),
-            ratios.iter().copied().fold(0.0, f64::max),
-        );
+        let [bare, inbox, guarded, idem] = rates.map(|mut r| median(&mut r));
         table.push(format!(
-            "| {backend} | {redelivered} % | {:.0} | {:.0} | {:.0} | {:.2} ({low:.2}–{high:.2}) |",
-            median(&mut rates[0]),
-            median(&mut rates[1]),
-            median(&mut rates[2]),
-            median(&mut ratios),
+            "| {backend} | {redelivered} % | {bare:.0} | {inbox:.0} | {guarded:.0} | {idem:.0} | {} | {} |",
+            spread(to_inbox),
+            spread(to_guarded),
         ));
     }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// The median ratio and its range over the rounds.
+fn spread(mut ratios: Vec<f64>) -> String {
+    let low = ratios.iter().copied().fold(f64::MAX, f64::min);
+    let high = ratios.iter().copied().fold(0.0, f64::max);
+    format!("{:.2} ({low:.2}–{high:.2})", median(&mut ratios))
 }
 
 fn arg(name: &str, default: u64) -> u64 {
@@ -211,7 +325,6 @@ async fn main() {
     let count = usize::try_from(arg("--rounds", 3)).unwrap_or(3).max(1);
     let schema = format!("idem_consumer_bench_{}", std::process::id());
     let mut table = Vec::new();
-    let inbox_ddl = "CREATE TABLE inbox (id VARCHAR(255) PRIMARY KEY)";
 
     let url = std::env::var("IDEM_TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
@@ -236,7 +349,7 @@ async fn main() {
                 .await
                 .expect("pool");
             let store = common::prepare::<Postgres>(&pool, "BIGSERIAL PRIMARY KEY").await;
-            sqlx::raw_sql(inbox_ddl)
+            sqlx::raw_sql(<Postgres as Inbox>::TABLES)
                 .execute(&pool)
                 .await
                 .expect("inbox");
@@ -268,7 +381,7 @@ async fn main() {
                 .await
                 .expect("pool");
             let store = common::prepare::<MySql>(&pool, "BIGINT AUTO_INCREMENT PRIMARY KEY").await;
-            sqlx::raw_sql(inbox_ddl)
+            sqlx::raw_sql(<MySql as Inbox>::TABLES)
                 .execute(&pool)
                 .await
                 .expect("inbox");
@@ -284,7 +397,7 @@ async fn main() {
     let path = std::env::temp_dir().join(format!("{schema}.db"));
     let pool = common::sqlite_pool(&path).await;
     let store = common::prepare::<Sqlite>(&pool, "INTEGER PRIMARY KEY AUTOINCREMENT").await;
-    sqlx::raw_sql(inbox_ddl)
+    sqlx::raw_sql(<Sqlite as Inbox>::TABLES)
         .execute(&pool)
         .await
         .expect("inbox");
@@ -296,8 +409,10 @@ async fn main() {
         "\nmessages/s, {WORKERS} workers, medians of {count} rounds × {} s\n",
         settings.secs
     );
-    println!("| backend | redelivered | bare | inbox | idem | idem / inbox |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| backend | redelivered | bare | inbox | guarded | idem | idem / inbox | idem / guarded |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for row in table {
         println!("{row}");
     }

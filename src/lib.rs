@@ -393,6 +393,8 @@ pub use idem_runtime::rabbitmq;
 pub use idem_runtime::testing;
 #[cfg(feature = "utoipa")]
 pub use idem_runtime::utoipa;
+#[cfg(feature = "webhooks")]
+pub use idem_runtime::webhook;
 #[cfg(feature = "sea-orm")]
 pub use idem_runtime::{SeaConnection, SeaDriver, SeaSavepoint};
 

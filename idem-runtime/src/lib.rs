@@ -50,6 +50,9 @@ mod sweep;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 mod tx;
+#[cfg(feature = "webhooks")]
+#[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
+pub mod webhook;
 
 #[cfg(feature = "mysql")]
 mod mysql;

@@ -371,10 +371,10 @@ pub use idem_runtime::{
     Backend, Builder, Closed, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_PROBLEM_BASE, DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE,
     Forgotten, HandlerFuture, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_TTL, IDEMPOTENT_REPLAYED,
-    Idempotency, IdempotencyKey, InFlight, InvalidJson, InvalidKey, InvalidOptions, KeyId,
-    KeyRecord, KeyRing, KeyRingError, KeyUse, MAX_KEY_LEN, Options, Outcome, Problem,
-    RequestIdentity, Reseal, ResealReport, Scope, SealAudit, Sealing, Shutdown, Sweep, SweepReport,
-    Tx, fingerprint, json_fingerprint, migration_sql, migration_steps,
+    Idempotency, IdempotencyKey, InFlight, InvalidJson, InvalidKey, InvalidOptions, InvalidSource,
+    KeyId, KeyRecord, KeyRing, KeyRingError, KeySource, KeyUse, MAX_KEY_LEN, Options, Outcome,
+    Problem, RequestIdentity, Reseal, ResealReport, Scope, SealAudit, Sealing, Shutdown, Sweep,
+    SweepReport, Tx, UnreadKey, fingerprint, json_fingerprint, migration_sql, migration_steps,
 };
 
 #[cfg(feature = "postgres")]

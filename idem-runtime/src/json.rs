@@ -81,15 +81,7 @@ impl std::error::Error for InvalidJson {}
 /// assert!(json_fingerprint(b"amount=1", &[]).is_err());
 /// ```
 pub fn json_fingerprint(body: &[u8], ignore: &[&str]) -> Result<[u8; 32], InvalidJson> {
-    let text = std::str::from_utf8(body)
-        .map_err(|error| InvalidJson::new("invalid UTF-8", error.valid_up_to()))?;
-    let mut parser = Parser { text, pos: 0 };
-    parser.skip_whitespace();
-    let mut value = parser.value(0)?;
-    parser.skip_whitespace();
-    if parser.pos < text.len() {
-        return Err(InvalidJson::new("more after the JSON value", parser.pos));
-    }
+    let mut value = parse(body)?;
     for pointer in ignore {
         leave_out(&mut value, pointer);
     }
@@ -98,6 +90,71 @@ pub fn json_fingerprint(body: &[u8], ignore: &[&str]) -> Result<[u8; 32], Invali
     };
     canonical.value(&value);
     Ok(canonical.out.finish())
+}
+
+/// What a JSON Pointer names in a body, read as a key.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Pointed {
+    /// A string, as it is, or a number in its canonical form (`1.0` is `1`).
+    Key(String),
+    /// Nothing is there.
+    Absent,
+    /// Something that is not a key is there: what it is.
+    Other(&'static str),
+}
+
+/// What `pointer` names in `body`, parsed as [`json_fingerprint`] parses it.
+pub(crate) fn pointed(body: &[u8], pointer: &str) -> Result<Pointed, InvalidJson> {
+    let value = parse(body)?;
+    let mut at = &value;
+    for token in tokens(pointer) {
+        let next = match at {
+            Value::Object(members) => members
+                .iter()
+                .find(|(name, _)| *name == token)
+                .map(|(_, v)| v),
+            Value::Array(items) => index(&token).and_then(|i| items.get(i)),
+            _ => None,
+        };
+        match next {
+            Some(next) => at = next,
+            None => return Ok(Pointed::Absent),
+        }
+    }
+    Ok(match at {
+        Value::String(text) => Pointed::Key(text.clone().into_owned()),
+        Value::Number(Number::AsWritten(digits)) => Pointed::Key((*digits).to_owned()),
+        Value::Number(Number::Double(value)) => Pointed::Key(es_number(*value)),
+        Value::Null => Pointed::Absent,
+        Value::Bool(_) => Pointed::Other("a boolean"),
+        Value::Array(_) => Pointed::Other("an array"),
+        Value::Object(_) => Pointed::Other("an object"),
+    })
+}
+
+/// One JSON value in UTF-8, and nothing after it.
+fn parse(body: &[u8]) -> Result<Value<'_>, InvalidJson> {
+    let text = std::str::from_utf8(body)
+        .map_err(|error| InvalidJson::new("invalid UTF-8", error.valid_up_to()))?;
+    let mut parser = Parser { text, pos: 0 };
+    parser.skip_whitespace();
+    let value = parser.value(0)?;
+    parser.skip_whitespace();
+    if parser.pos < text.len() {
+        return Err(InvalidJson::new("more after the JSON value", parser.pos));
+    }
+    Ok(value)
+}
+
+/// A JSON Pointer's reference tokens, unescaped; none for the whole document.
+fn tokens(pointer: &str) -> Vec<String> {
+    match pointer.strip_prefix('/') {
+        Some(path) => path
+            .split('/')
+            .map(|token| token.replace("~1", "/").replace("~0", "~"))
+            .collect(),
+        None => Vec::new(),
+    }
 }
 
 /// Whether `pointer` is a JSON Pointer naming something inside a document: it
@@ -154,13 +211,7 @@ fn utf16_order(a: &str, b: &str) -> Ordering {
 }
 
 fn leave_out(value: &mut Value<'_>, pointer: &str) {
-    let Some(path) = pointer.strip_prefix('/') else {
-        return;
-    };
-    let tokens: Vec<String> = path
-        .split('/')
-        .map(|token| token.replace("~1", "/").replace("~0", "~"))
-        .collect();
+    let tokens = tokens(pointer);
     let Some((last, parents)) = tokens.split_last() else {
         return;
     };

@@ -44,6 +44,7 @@ mod sea;
 mod seal;
 mod shutdown;
 mod signal;
+mod source;
 mod store;
 mod sweep;
 #[cfg(feature = "testing")]
@@ -88,6 +89,7 @@ pub use scope::Scope;
 pub use sea::{SeaConnection, SeaDriver, SeaSavepoint};
 pub use seal::{KeyId, KeyRing, KeyRingError, Sealing};
 pub use shutdown::{Closed, Shutdown};
+pub use source::{InvalidSource, KeySource, UnreadKey};
 pub use store::{
     Builder, ConfigError, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_PROBLEM_BASE,
     DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_REFRESH, DEFAULT_TABLE, Idempotency,

@@ -96,6 +96,10 @@
 //! | `aide` | OpenAPI through aide: `#[idempotent]` handlers document their key header, replays and idem's problems by themselves; `idem_axum::aide` |
 //! | `utoipa` | OpenAPI through utoipa: `idem_axum::utoipa::KeyHeader` for `params(…)`, `Problems` for `responses(…)`, the `Replays` modifier |
 //! | `sea-orm` | SeaORM 2 on the handler's transaction: `tx.sea_orm()` is a SeaORM connection whose `begin` opens a savepoint |
+//! | `lapin` | `idem_axum::rabbitmq::Consumer`, the consumer's loop on RabbitMQ through lapin |
+//! | `async-nats` | `idem_axum::jetstream::Consumer`, the consumer's loop on NATS JetStream through async-nats |
+//! | `serde` | `JsonRecord`, a message handler's result recorded as JSON |
+//! | `webhooks` | `idem_axum::webhook::{StandardWebhooks, StripeSignature}`, the senders' signatures `verify = …` checks before a webhook's key is claimed |
 //!
 //! ```toml
 //! [dependencies]
@@ -393,7 +397,6 @@ pub use idem_runtime::rabbitmq;
 pub use idem_runtime::testing;
 #[cfg(feature = "utoipa")]
 pub use idem_runtime::utoipa;
-#[cfg(feature = "webhooks")]
 pub use idem_runtime::webhook;
 #[cfg(feature = "sea-orm")]
 pub use idem_runtime::{SeaConnection, SeaDriver, SeaSavepoint};

@@ -11,8 +11,10 @@ use aide::axum::ApiRouter;
 use aide::axum::routing::{post, post_with};
 use aide::openapi::OpenApi;
 use axum::Json;
-use axum::http::StatusCode;
+use axum::extract::FromRef;
+use axum::http::{HeaderMap, StatusCode};
 use idem_axum::utoipa::{KeyHeader, OptionalKeyHeader, Problems, Replays};
+use idem_axum::webhook::{Unverified, Verifier};
 use idem_axum::{Idempotency, IdempotencyKey, Tx, idempotent};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -57,6 +59,38 @@ async fn refund(
     })
 }
 
+/// A webhook: the key from the event's body, the sender's signature checked first.
+#[idempotent(unscoped = true, key = json("/id"), verify = Signed, required = true)]
+async fn provider_event(tx: Tx<Sqlite>, Json(new): Json<NewPayment>) -> Json<Payment> {
+    drop(tx);
+    Json(Payment {
+        id: 3,
+        amount: new.amount,
+    })
+}
+
+/// A webhook keyed by a header of the sender's own.
+#[idempotent(unscoped = true, key = header("webhook-id"))]
+async fn github_event(tx: Tx<Sqlite>) -> StatusCode {
+    drop(tx);
+    StatusCode::NO_CONTENT
+}
+
+/// A sender's signature scheme, from the router's state.
+struct Signed;
+
+impl FromRef<Idempotency<Sqlite>> for Signed {
+    fn from_ref(_: &Idempotency<Sqlite>) -> Self {
+        Self
+    }
+}
+
+impl Verifier for Signed {
+    fn verify(&self, _: &HeaderMap, _: &[u8]) -> Result<(), Unverified> {
+        Ok(())
+    }
+}
+
 async fn list_payments() -> Json<Vec<Payment>> {
     Json(Vec::new())
 }
@@ -80,6 +114,8 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
             .get(list_payments),
         )
         .api_route("/refunds", post(refund))
+        .api_route("/webhooks/provider", post(provider_event))
+        .api_route("/webhooks/github", post(github_event))
         .finish_api(&mut api)
         .with_state(store);
     let document = serde_json::to_value(&api).expect("serialize");
@@ -98,6 +134,35 @@ async fn aide_documents_idempotent_handlers_by_themselves() {
     );
     let body = &paths["/payments"]["post"]["requestBody"]["content"]["application/json"];
     assert!(body["schema"].is_object(), "{body:#}");
+    // A key read elsewhere is not asked for in `Idempotency-Key`; a signed
+    // endpoint documents its 401, and idem's other problems as any keyed one.
+    for path in ["/webhooks/provider", "/webhooks/github"] {
+        let operation = &paths[path]["post"];
+        let parameters = operation["parameters"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            parameters.iter().all(|p| !p["name"]
+                .as_str()
+                .is_some_and(|n| n.eq_ignore_ascii_case("idempotency-key"))),
+            "{path}: {operation:#}"
+        );
+    }
+    let provider = &paths["/webhooks/provider"]["post"];
+    assert_own_problems(&document, provider);
+    let unverified = &provider["responses"]["401"];
+    assert!(
+        unverified["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("unverified")),
+        "{provider:#}"
+    );
+    assert!(
+        paths["/webhooks/github"]["post"]["responses"]
+            .get("401")
+            .is_none()
+    );
 }
 
 #[utoipa::path(post, path = "/payments", params(KeyHeader),

@@ -1,13 +1,29 @@
 //! The attribute's options: `scope` or `unscoped`, `ttl`, `lock`, `wait`,
-//! `required`, `ttl_header`, `release_on`, `fingerprint`, `ignore`, `db`, `crate`;
-//! and for a message handler, `message`, `key` and `payload`.
+//! `required`, `ttl_header`, `release_on`, `fingerprint`, `ignore`, `key` (where
+//! the request carries it), `verify`, `db`, `crate`; and for a message handler,
+//! `message`, `key` (an expression) and `payload`.
 
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
 use syn::{Error, Ident, Lit, LitBool, LitStr, Path, Token, Type};
 
 const OPTIONS: &str = "`scope`, `unscoped`, `ttl`, `lock`, `wait`, `required`, `ttl_header`, \
-     `release_on`, `fingerprint`, `ignore`, `db`, `crate`, or `message` with `key` and `payload`";
+     `release_on`, `fingerprint`, `ignore`, `key`, `verify`, `db`, `crate`, or `message` with \
+     `key` and `payload`";
+
+/// How `key = …` reads on an axum handler.
+const KEY_SOURCES: &str = "an axum handler's `key` says where its requests carry the key: \
+     `key = header(\"webhook-id\")` or `key = json(\"/id\")` (by default, the \
+     `Idempotency-Key` header); `key = <expression>` is for message handlers, \
+     `#[idempotent(message, key = …, payload = …, …)]`";
+
+/// Where an axum handler's requests carry their key, when not in `Idempotency-Key`.
+pub(crate) enum KeySource {
+    /// A header, its name in lowercase.
+    Header(String),
+    /// A JSON Pointer into the body.
+    Json(String),
+}
 
 /// Milliseconds in a day: the default `ttl`.
 pub(crate) const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -28,6 +44,11 @@ pub(crate) struct Args {
     pub(crate) key: Option<syn::Expr>,
     /// A message's bytes, an expression over the handler's arguments.
     pub(crate) payload: Option<syn::Expr>,
+    /// Where an axum handler's requests carry their key, when not in
+    /// `Idempotency-Key`; read from `key`.
+    pub(crate) key_source: Option<KeySource>,
+    /// The type that checks an axum handler's sender's signature.
+    pub(crate) verify: Option<Type>,
     /// `scope` as written: a parameter's name (HTTP) or an expression (messages).
     pub(crate) scope_expr: Option<syn::Expr>,
     pub(crate) scope: Option<LitStr>,
@@ -129,6 +150,7 @@ impl Parse for Args {
                 }
                 "key" => args.key = Some(input.parse()?),
                 "payload" => args.payload = Some(input.parse()?),
+                "verify" => args.verify = Some(input.parse()?),
                 "ttl" | "lock" | "wait" => match input.parse()? {
                     Lit::Str(lit) => match parse_duration(&lit) {
                         Ok(millis) => {
@@ -209,17 +231,18 @@ impl Parse for Args {
                     "expected the name of a handler parameter as a string, like `scope = \"user_id\"`",
                 ));
             }
-            for (name, written) in [("key", &args.key), ("payload", &args.payload)] {
-                if let Some(written) = written {
-                    errors.push(Error::new_spanned(
-                        written,
-                        format!(
-                            "`{name}` is for message handlers, `#[idempotent(message, key = …, \
-                             payload = …, …)]`: an axum handler's key is its request's \
-                             `Idempotency-Key` header and its payload the request's body"
-                        ),
-                    ));
+            if let Some(written) = &args.key {
+                match key_source(written) {
+                    Ok(source) => args.key_source = Some(source),
+                    Err(error) => errors.push(error),
                 }
+            }
+            if let Some(written) = &args.payload {
+                errors.push(Error::new_spanned(
+                    written,
+                    "`payload` is for message handlers, `#[idempotent(message, key = …, \
+                     payload = …, …)]`: an axum handler's payload is its request's body",
+                ));
             }
         }
         if let (Some(written), false) = (&ignore_at, args.json) {
@@ -239,6 +262,57 @@ impl Parse for Args {
         }
         errors.finish()?;
         Ok(args)
+    }
+}
+
+/// Reads an axum handler's `key`: `header("name")` or `json("/pointer")`.
+fn key_source(written: &syn::Expr) -> syn::Result<KeySource> {
+    let syn::Expr::Call(call) = written else {
+        return Err(Error::new_spanned(written, KEY_SOURCES));
+    };
+    let syn::Expr::Path(function) = &*call.func else {
+        return Err(Error::new_spanned(written, KEY_SOURCES));
+    };
+    let kind = function.path.get_ident().map(ToString::to_string);
+    let (Some(kind), 1) = (kind, call.args.len()) else {
+        return Err(Error::new_spanned(written, KEY_SOURCES));
+    };
+    let lit = match &call.args[0] {
+        syn::Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => lit,
+        other => {
+            return Err(Error::new_spanned(
+                other,
+                format!(
+                    "expected a string, like `{kind}(\"{}\")`",
+                    if kind == "json" { "/id" } else { "webhook-id" }
+                ),
+            ));
+        }
+    };
+    let text = lit.value();
+    match kind.as_str() {
+        "header" => {
+            let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+            if text.is_empty() || !text.chars().all(token) {
+                return Err(Error::new_spanned(
+                    lit,
+                    format!(
+                        "{text:?} is not a header name: letters, digits and !#$%&'*+-.^_`|~, like \"webhook-id\""
+                    ),
+                ));
+            }
+            Ok(KeySource::Header(text.to_ascii_lowercase()))
+        }
+        "json" => match pointer_problem(&text) {
+            Some(problem) => Err(Error::new_spanned(
+                lit,
+                format!("{text:?} is not a JSON Pointer to a member of the body: {problem}"),
+            )),
+            None => Ok(KeySource::Json(text)),
+        },
+        _ => Err(Error::new_spanned(&call.func, KEY_SOURCES)),
     }
 }
 

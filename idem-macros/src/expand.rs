@@ -8,7 +8,7 @@ use syn::{
     ReturnType, Type,
 };
 
-use crate::attr::{Args, DEFAULT_LOCK_MS, DEFAULT_TTL_MS, Errors};
+use crate::attr::{Args, DEFAULT_LOCK_MS, DEFAULT_TTL_MS, Errors, KeySource};
 use crate::facade::Found;
 
 /// `facade` tells the name the crate's Cargo.toml gives idem-axum, asked only
@@ -336,6 +336,21 @@ impl<'a> Handler<'a> {
                            take `Option<IdempotencyKey>`, or drop `required = false`";
             errors.push(Error::new_spanned(required, message));
         }
+        if let Some(source) = &args.key_source
+            && let Some(param) = self.params.iter().find(|p| {
+                is_named(&p.ty, "IdempotencyKey") || is_option_of(&p.ty, "IdempotencyKey")
+            })
+        {
+            let place = match source {
+                KeySource::Header(name) => format!("the {name} header"),
+                KeySource::Json(pointer) => format!("the body's {pointer}"),
+            };
+            let message = format!(
+                "`IdempotencyKey` is the request's `Idempotency-Key` header, and this handler's key is \
+                 read from {place}: read it there, from the header or body the handler already takes"
+            );
+            errors.push(Error::new_spanned(&param.ty, message));
+        }
         errors.finish()?;
 
         let required = explicit.unwrap_or(false);
@@ -348,7 +363,9 @@ impl<'a> Handler<'a> {
             .as_ref()
             .map(|statuses| quote!(.release_on(&[#(#statuses),*])));
         // What documentation generators read from the types (`openapi::doc`).
-        let doc = u8::from(required) | (u8::from(ttl_header) << 1);
+        let doc = u8::from(required)
+            | (u8::from(ttl_header) << 1)
+            | (u8::from(args.key_source.is_some()) << 2);
         let json = args.json.then(|| {
             let ignore = &args.ignore;
             quote!(.json_fingerprint(&[#(#ignore),*]))
@@ -399,6 +416,25 @@ impl<'a> Handler<'a> {
         if self.params.is_empty() {
             inputs.push(quote!(#last_arg: #private::Buffered<#db, (), #doc>));
         }
+        // The verifier comes from the router's state, as a `State` does; it is
+        // extracted before the buffered request, and runs first on it.
+        let verifying = Ident::new("__idem_verifying", Span::mixed_site());
+        let verifier = match &args.verify {
+            Some(ty) => {
+                let at = inputs.len() - 1;
+                inputs.insert(
+                    at,
+                    quote_spanned!(ty.span()=> #verifying: #private::Verifying<#ty>),
+                );
+                quote_spanned!(ty.span()=> #private::verifier::<#ty>(&#verifying))
+            }
+            None => quote!(::std::option::Option::None),
+        };
+        let source = match &args.key_source {
+            None => quote!(#private::KeySource::IDEMPOTENCY_KEY),
+            Some(KeySource::Header(name)) => quote!(#private::KeySource::__header(#name)),
+            Some(KeySource::Json(pointer)) => quote!(#private::KeySource::__json(#pointer)),
+        };
         // The last extractor runs once the request is known not to be a replay
         // kept in memory (`Call::run`), unless the scope needs its value first.
         let extracting = Ident::new("__idem_extracting", Span::mixed_site());
@@ -451,7 +487,12 @@ impl<'a> Handler<'a> {
         Ok(quote! {
             #(#attrs)*
             #vis async fn #ident #generics (#(#inputs),*) -> #private::Answer<#answer, #doc> #where_clause {
-                let (#call, #extracting) = #last_arg.into_parts();
+                let (#call, #extracting) = match #last_arg.receive(#source, #verifier) {
+                    ::std::result::Result::Ok(received) => received,
+                    ::std::result::Result::Err(rejection) => {
+                        return #private::Answer::new(*rejection);
+                    }
+                };
                 let #mark = #call.in_handler();
                 #extract_now
                 #(#before)*
@@ -522,6 +563,19 @@ impl<'a> Handler<'a> {
 /// Whether `ty`'s path ends in `name`: a hint only, since an alias hides it.
 fn is_named(ty: &Type, name: &str) -> bool {
     last_segment(ty).is_some_and(|segment| segment.ident == name)
+}
+
+/// Whether `ty` is `Option<T>` with `T`'s path ending in `name`.
+fn is_option_of(ty: &Type, name: &str) -> bool {
+    let Some(segment) = last_segment(ty).filter(|segment| segment.ident == "Option") else {
+        return false;
+    };
+    let PathArguments::AngleBracketed(args) = &segment.arguments else {
+        return false;
+    };
+    args.args
+        .iter()
+        .any(|arg| matches!(arg, GenericArgument::Type(inner) if is_named(inner, name)))
 }
 
 /// `Some(Some(db))` for `Tx<DB>` (any path ending in `Tx`), `Some(None)` for a `Tx`

@@ -29,6 +29,10 @@ const HTTP_ONLY: &[(&str, &str)] = &[
         "unscoped",
         "a message handler always names its key space: `scope = \"orders\"`",
     ),
+    (
+        "verify",
+        "a message comes from the broker the consumer trusts; `verify` checks a webhook sender's signature",
+    ),
 ];
 
 pub(crate) fn expand(
@@ -43,6 +47,7 @@ pub(crate) fn expand(
             "required" => args.required.as_ref().map(ToTokens::to_token_stream),
             "ttl_header" => args.ttl_header.as_ref().map(ToTokens::to_token_stream),
             "unscoped" => args.unscoped.as_ref().map(ToTokens::to_token_stream),
+            "verify" => args.verify.as_ref().map(ToTokens::to_token_stream),
             _ => args.release_on_at.as_ref().map(ToTokens::to_token_stream),
         };
         if let Some(written) = written {

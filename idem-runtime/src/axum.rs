@@ -63,11 +63,13 @@ use http_body_util::BodyExt as _;
 
 use crate::backend::Backend;
 use crate::engine::{HandlerFuture, Outcome, RequestIdentity, path_of};
-use crate::key::IdempotencyKey;
+use crate::key::{IdempotencyKey, InvalidKey};
 use crate::options::Options;
 use crate::problem::Problem;
+use crate::source::{KeySource, UnreadKey};
 use crate::store::{DEFAULT_PROBLEM_BASE, Idempotency};
 use crate::tx::Tx;
+use crate::webhook::Verifier;
 
 /// A buffered request with its idempotency key, ready to [`run`](Self::run).
 ///
@@ -222,47 +224,61 @@ where
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
         let store = Idempotency::<DB>::from_ref(state);
-        // The handler's `IdempotencyKey` parameter, if any, has parsed it already.
-        let parsed = request
-            .extensions()
-            .get::<InHandler>()
-            .and_then(|marked| marked.key.clone());
-        let key = match parsed {
-            Some(key) => Some(key),
-            None => IdempotencyKey::from_headers(request.headers()).map_err(|invalid| {
-                problem_response(&store, Problem::InvalidKey, &invalid.to_string())
-            })?,
-        };
-        // Read here rather than by axum's `Bytes`, which needs the parts and so a
-        // copy of them; under axum's body limit all the same.
-        let (parts, body) = request.with_limited_body().into_parts();
-        let mut collect = std::pin::pin!(body.collect());
-        // A body already at hand (small bodies usually are) needs no timer.
-        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(collect.as_mut().poll(cx)));
-        let collected = match first.await {
-            std::task::Poll::Ready(collected) => Ok(collected),
-            std::task::Poll::Pending => {
-                tokio::time::timeout(store.body_timeout(), collect.as_mut()).await
-            }
-        };
-        let body = match collected {
-            Ok(body) => body
-                .map_err(|error| body_failed(&store, &error))?
-                .to_bytes(),
-            Err(_elapsed) => {
-                let detail = format!(
-                    "the request body did not arrive within {} ms; nothing was claimed, send it again",
-                    store.body_timeout().as_millis()
-                );
-                return Err(problem_response(&store, Problem::RequestTimeout, &detail));
-            }
-        };
+        let key = header_key(&request).map_err(|invalid| {
+            problem_response(&store, Problem::InvalidKey, &invalid.to_string())
+        })?;
+        let (parts, body) = buffer(&store, request).await?;
         Ok(Self {
             store,
             key,
             parts,
             body,
         })
+    }
+}
+
+/// The request's `Idempotency-Key`, as the handler's `IdempotencyKey` parameter
+/// parsed it if it has one.
+fn header_key(request: &Request) -> Result<Option<IdempotencyKey>, InvalidKey> {
+    let parsed = request
+        .extensions()
+        .get::<InHandler>()
+        .and_then(|marked| marked.key.clone());
+    match parsed {
+        Some(key) => Ok(Some(key)),
+        None => IdempotencyKey::from_headers(request.headers()),
+    }
+}
+
+/// The request's parts and whole body.
+async fn buffer<DB: Backend>(
+    store: &Idempotency<DB>,
+    request: Request,
+) -> Result<(Parts, Bytes), Response> {
+    // Read here rather than by axum's `Bytes`, which needs the parts and so a
+    // copy of them; under axum's body limit all the same.
+    let (parts, body) = request.with_limited_body().into_parts();
+    let mut collect = std::pin::pin!(body.collect());
+    // A body already at hand (small bodies usually are) needs no timer.
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(collect.as_mut().poll(cx)));
+    let collected = match first.await {
+        std::task::Poll::Ready(collected) => Ok(collected),
+        std::task::Poll::Pending => {
+            tokio::time::timeout(store.body_timeout(), collect.as_mut()).await
+        }
+    };
+    match collected {
+        Ok(body) => Ok((
+            parts,
+            body.map_err(|error| body_failed(store, &error))?.to_bytes(),
+        )),
+        Err(_elapsed) => {
+            let detail = format!(
+                "the request body did not arrive within {} ms; nothing was claimed, send it again",
+                store.body_timeout().as_millis()
+            );
+            Err(problem_response(store, Problem::RequestTimeout, &detail))
+        }
     }
 }
 
@@ -280,12 +296,74 @@ where
 #[doc(hidden)]
 pub struct Buffered<DB: Backend, T, const DOC: u8 = 0> {
     call: Call<DB>,
-    value: Extracting<T>,
+    /// The request's `Idempotency-Key`, or why it is not one: refused only where
+    /// the endpoint reads its key there.
+    header_key: Result<Option<IdempotencyKey>, InvalidKey>,
+    parts: Parts,
+    /// Starts the user's extractor on the request's parts and body.
+    start: Starting<T>,
 }
 
+type Starting<T> = Box<dyn FnOnce(Parts, Bytes) -> Extracting<T> + Send>;
+
 impl<DB: Backend, T, const DOC: u8> Buffered<DB, T, DOC> {
-    pub fn into_parts(self) -> (Call<DB>, Extracting<T>) {
-        (self.call, self.value)
+    /// The request received as an endpoint that reads its key from
+    /// `Idempotency-Key` and checks no signature receives it.
+    ///
+    /// # Errors
+    ///
+    /// 400 `invalid-key` for a malformed key.
+    pub fn into_parts(self) -> Result<(Call<DB>, Extracting<T>), Box<Response>> {
+        self.receive(KeySource::IDEMPOTENCY_KEY, None)
+    }
+
+    /// The request received as the endpoint says: the sender's signature over
+    /// the body checked by `verifier` first, then the key read from `source`;
+    /// nothing else happens before these.
+    ///
+    /// # Errors
+    ///
+    /// 401 `unverified` for a signature that does not verify; 400 `invalid-key`
+    /// (or `invalid-json`, for a key in a body that is not JSON) for a key that
+    /// cannot be read.
+    pub fn receive(
+        self,
+        source: KeySource,
+        verifier: Option<&dyn Verifier>,
+    ) -> Result<(Call<DB>, Extracting<T>), Box<Response>> {
+        let Self {
+            mut call,
+            header_key,
+            parts,
+            start,
+        } = self;
+        if let Some(verifier) = verifier
+            && let Err(unverified) = verifier.verify(&parts.headers, &call.body)
+        {
+            tracing::info!(%unverified, "a request whose signature does not verify; nothing claimed");
+            let detail = format!("{unverified}; nothing was claimed");
+            let refused = problem_response(&call.store, Problem::Unverified, &detail);
+            return Err(Box::new(refused));
+        }
+        let key = if source == KeySource::IDEMPOTENCY_KEY {
+            header_key.map_err(|invalid| (Problem::InvalidKey, invalid.to_string()))
+        } else {
+            source.read(&parts.headers, &call.body).map_err(|unread| {
+                let problem = match unread {
+                    UnreadKey::NotJson(_) => Problem::InvalidJson,
+                    _ => Problem::InvalidKey,
+                };
+                (problem, unread.to_string())
+            })
+        };
+        call.key = match key {
+            Ok(key) => key,
+            Err((problem, detail)) => {
+                return Err(Box::new(problem_response(&call.store, problem, &detail)));
+            }
+        };
+        let value = start(parts, call.body.clone());
+        Ok((call, value))
     }
 }
 
@@ -577,6 +655,25 @@ impl<DB: Backend> Handed<DB> {
     }
 }
 
+/// The verifier of a handler written with `verify = V`, taken from the router's
+/// state as `State<V>` takes it; [`Buffered::receive`] runs it before anything
+/// else.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Verifying<V>(pub V);
+
+impl<S, V> FromRequestParts<S> for Verifying<V>
+where
+    S: Send + Sync,
+    V: FromRef<S> + Verifier,
+{
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(_: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(V::from_ref(state)))
+    }
+}
+
 /// Hands a parameter what it needs from the engine; see [`Inert`].
 #[doc(hidden)]
 pub trait Receive<DB: Backend> {
@@ -635,28 +732,33 @@ where
 
     async fn from_request(mut request: Request, state: &S) -> Result<Self, Self::Rejection> {
         InHandler::enter::<DB, S>(request.extensions_mut(), state);
-        let IdempotentRequest {
-            store,
-            key,
-            parts,
-            body,
-        } = IdempotentRequest::<DB>::from_request(request, state).await?;
+        let store = Idempotency::<DB>::from_ref(state);
+        // Refused only once the endpoint says where its key is (`receive`).
+        let header_key = header_key(&request);
+        let (parts, body) = buffer(&store, request).await?;
         let call = Call {
             store,
-            key,
+            key: None,
             seen: Seen::of(&parts),
             mark: parts.extensions.get::<InHandler>().cloned(),
-            body: body.clone(),
+            body,
         };
         // Axum's router state is `Clone` (`Router::with_state`): the extractor
         // takes its own copy, to run after this returns.
         let state = state.clone();
-        let value = Extracting(Box::pin(async move {
-            T::from_request(Request::from_parts(parts, Body::from(body)), &state)
-                .await
-                .map_err(IntoResponse::into_response)
-        }));
-        Ok(Self { call, value })
+        let start: Starting<T> = Box::new(move |parts, body| {
+            Extracting(Box::pin(async move {
+                T::from_request(Request::from_parts(parts, Body::from(body)), &state)
+                    .await
+                    .map_err(IntoResponse::into_response)
+            }))
+        });
+        Ok(Self {
+            call,
+            header_key,
+            parts,
+            start,
+        })
     }
 }
 

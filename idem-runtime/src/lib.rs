@@ -51,8 +51,6 @@ mod sweep;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 mod tx;
-#[cfg(feature = "webhooks")]
-#[cfg_attr(docsrs, doc(cfg(feature = "webhooks")))]
 pub mod webhook;
 
 #[cfg(feature = "mysql")]
@@ -129,10 +127,22 @@ pub mod utoipa {
 #[doc(hidden)]
 pub mod __macro_support {
     #[cfg(feature = "axum")]
-    pub use crate::axum::{Answer, Arg, Buffered, Extracting, Handed, InHandler, Inert, Receive};
-    pub use crate::{Delivery, Idempotency, MessageId, Options, Processed, Scope, Tx};
+    pub use crate::axum::{
+        Answer, Arg, Buffered, Extracting, Handed, InHandler, Inert, Receive, Verifying,
+    };
+    pub use crate::webhook::Verifier;
+    pub use crate::{Delivery, Idempotency, KeySource, MessageId, Options, Processed, Scope, Tx};
     #[cfg(feature = "axum")]
     pub use ::axum::response::{IntoResponse, Response};
+
+    /// The verifier `verify = …` names, as the buffered request takes it; one
+    /// error, at that type, unless it checks signatures.
+    #[cfg(feature = "axum")]
+    pub fn verifier<V: crate::webhook::Verifier>(
+        verifying: &Verifying<V>,
+    ) -> Option<&dyn crate::webhook::Verifier> {
+        Some(&verifying.0)
+    }
 
     /// The scope string of the parameter `scope = "..."` names.
     pub fn scope_of<T: Scope + ?Sized>(value: &T) -> String {

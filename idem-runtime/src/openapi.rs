@@ -112,29 +112,43 @@ pub(crate) fn problem_responses() -> Vec<(u16, Value)> {
     ];
     groups
         .into_iter()
-        .map(|(status, problems, description)| {
-            let slugs: Vec<&str> = problems.iter().map(|p| p.slug()).collect();
-            let mut response = json!({
-                "description": format!("{description} Problem types: {}.", slugs.join(", ")),
-                "content": {
-                    "application/problem+json": { "schema": problem_schema() },
-                },
-            });
-            response["headers"] = json!({
-                "Cache-Control": {
-                    "description": "`no-store`: no cache may answer a retry with this problem.",
-                    "schema": { "type": "string", "enum": ["no-store"] },
-                },
-            });
-            if problems.iter().any(|p| p.retry_after()) {
-                response["headers"]["Retry-After"] = json!({
-                    "description": "Seconds to wait before retrying with the same key.",
-                    "schema": { "type": "integer", "minimum": 0 },
-                });
-            }
-            (status, response)
-        })
+        .map(|(status, problems, description)| problem_group(status, problems, description))
         .collect()
+}
+
+/// The 401 a handler with `verify = …` answers before anything else.
+#[cfg(feature = "aide")]
+pub(crate) fn unverified_response() -> (u16, Value) {
+    problem_group(
+        401,
+        &[Problem::Unverified],
+        "The sender's signature does not verify (missing, malformed, stale or not the \
+         body's): nothing was claimed or replayed.",
+    )
+}
+
+/// The response documenting `problems`, all answered with `status`.
+fn problem_group(status: u16, problems: &[Problem], description: &str) -> (u16, Value) {
+    let slugs: Vec<&str> = problems.iter().map(|p| p.slug()).collect();
+    let mut response = json!({
+        "description": format!("{description} Problem types: {}.", slugs.join(", ")),
+        "content": {
+            "application/problem+json": { "schema": problem_schema() },
+        },
+    });
+    response["headers"] = json!({
+        "Cache-Control": {
+            "description": "`no-store`: no cache may answer a retry with this problem.",
+            "schema": { "type": "string", "enum": ["no-store"] },
+        },
+    });
+    if problems.iter().any(|p| p.retry_after()) {
+        response["headers"]["Retry-After"] = json!({
+            "description": "Seconds to wait before retrying with the same key.",
+            "schema": { "type": "integer", "minimum": 0 },
+        });
+    }
+    (status, response)
 }
 
 /// Adds the recorded answers' headers to `response` (a response object as JSON),
@@ -168,6 +182,8 @@ pub(crate) mod doc {
     pub(crate) const REQUIRED: u8 = 1;
     /// `ttl_header = true`.
     pub(crate) const TTL_HEADER: u8 = 2;
+    /// `key = header(…)` or `key = json(…)`: no `Idempotency-Key` parameter.
+    pub(crate) const KEY_ELSEWHERE: u8 = 4;
 }
 
 #[cfg(feature = "aide")]

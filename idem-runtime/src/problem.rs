@@ -28,6 +28,11 @@ pub enum Problem {
     MissingKey,
     /// 400: the `Idempotency-Key` header is malformed or repeated.
     InvalidKey,
+    /// 401: the endpoint checks its sender's signature (`verify = …`, a
+    /// webhook's) and this request's does not verify: missing, malformed,
+    /// stale or not the body's. Checked before anything else: nothing was
+    /// claimed or replayed.
+    Unverified,
     /// 409: an earlier request with this key is still being executed. The engine
     /// sets `Retry-After` to the seconds left on the holder's lock (by then the key
     /// is completed or free); [`to_response`](Self::to_response) alone sends 1.
@@ -93,6 +98,7 @@ impl Problem {
             Self::MissingKey | Self::InvalidKey | Self::InvalidJson | Self::InvalidMultipart => {
                 StatusCode::BAD_REQUEST
             }
+            Self::Unverified => StatusCode::UNAUTHORIZED,
             Self::InFlight => StatusCode::CONFLICT,
             Self::PayloadMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -113,6 +119,7 @@ impl Problem {
         match self {
             Self::MissingKey => "missing-key",
             Self::InvalidKey => "invalid-key",
+            Self::Unverified => "unverified",
             Self::InFlight => "in-flight",
             Self::PayloadMismatch => "payload-mismatch",
             Self::PayloadTooLarge => "payload-too-large",
@@ -135,6 +142,7 @@ impl Problem {
         match self {
             Self::MissingKey => "Idempotency-Key header required",
             Self::InvalidKey => "Invalid Idempotency-Key header",
+            Self::Unverified => "Request's signature does not verify",
             Self::InFlight => "Request with this key is in flight",
             Self::PayloadMismatch => "Idempotency-Key reused with another request",
             Self::PayloadTooLarge => "Request body too large",

@@ -82,6 +82,20 @@ impl KeySource {
         Ok(Self(Where::Json(pointer)))
     }
 
+    /// What `#[idempotent(key = header(..))]` writes, the name checked and set in
+    /// lowercase at compile time.
+    #[doc(hidden)]
+    pub const fn __header(name: &'static str) -> Self {
+        Self(Where::Header(name))
+    }
+
+    /// What `#[idempotent(key = json(..))]` writes, the pointer checked at
+    /// compile time.
+    #[doc(hidden)]
+    pub const fn __json(pointer: &'static str) -> Self {
+        Self(Where::Json(pointer))
+    }
+
     /// The header this source reads, if it reads one.
     pub fn header_name(self) -> Option<&'static str> {
         match self.0 {

@@ -49,6 +49,8 @@ mod sealing;
 mod seaorm;
 mod session;
 mod upload;
+#[cfg(feature = "webhooks")]
+mod webhook;
 #[cfg(feature = "sqlite")]
 mod writer;
 
@@ -106,6 +108,12 @@ use session::{
     handlers_that_end_their_own_transaction_never_run_twice,
 };
 use upload::{multipart_keys_of_earlier_releases_still_replay, uploads_are_retried_by_their_parts};
+#[cfg(feature = "webhooks")]
+use webhook::{
+    a_forged_delivery_claims_nothing_and_the_real_one_runs_once,
+    webhook_duplicates_at_once_run_each_event_once,
+    webhook_keys_replay_and_refuse_as_the_header_does,
+};
 
 const BODY: &str = r#"{"amount":100,"currency":"JPY"}"#;
 
@@ -1444,6 +1452,16 @@ conformance!(
     messages_and_requests_never_share_a_key,
     message_records_are_sealed,
     message_attribute_runs_each_message_once,
+);
+
+// Webhooks: keys where the sender puts them, signatures checked first
+// (tests/conformance/webhook.rs).
+#[cfg(feature = "webhooks")]
+conformance!(
+    mod webhooks:
+    webhook_keys_replay_and_refuse_as_the_header_does,
+    a_forged_delivery_claims_nothing_and_the_real_one_runs_once,
+    webhook_duplicates_at_once_run_each_event_once,
 );
 
 #[cfg(all(feature = "lapin", feature = "async-nats"))]

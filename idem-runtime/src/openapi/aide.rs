@@ -9,7 +9,9 @@ use aide::operation::OperationOutput;
 use aide::transform::TransformOperation;
 use serde_json::Value;
 
-use super::{doc, key_parameter, problem_responses, recorded, with_answer_headers};
+use super::{
+    doc, key_parameter, problem_responses, recorded, unverified_response, with_answer_headers,
+};
 use crate::axum::{Answer, Arg, Buffered, IdempotentRequest};
 use crate::{Backend, IdempotencyKey, Tx};
 
@@ -65,6 +67,22 @@ impl OperationInput for IdempotencyKey {
 
 impl<DB: Backend> OperationInput for Tx<DB> {}
 
+/// A handler that checks its sender's signature answers 401 before anything else.
+impl<V> OperationInput for crate::axum::Verifying<V> {
+    fn operation_input(ctx: &mut GenContext, operation: &mut Operation) {
+        let (status, response) = unverified_response();
+        let responses = operation.responses.get_or_insert_with(Default::default);
+        let code = StatusCode::Code(status);
+        if !responses.responses.contains_key(&code)
+            && let Some(response) = read::<Response>(ctx, response)
+        {
+            responses
+                .responses
+                .insert(code, ReferenceOr::Item(response));
+        }
+    }
+}
+
 impl<DB: Backend, T: OperationInput> OperationInput for Arg<DB, T> {
     fn operation_input(ctx: &mut GenContext, operation: &mut Operation) {
         T::operation_input(ctx, operation);
@@ -81,7 +99,9 @@ impl<DB: Backend, T: OperationInput> OperationInput for Arg<DB, T> {
 impl<DB: Backend, T: OperationInput, const DOC: u8> OperationInput for Buffered<DB, T, DOC> {
     fn operation_input(ctx: &mut GenContext, operation: &mut Operation) {
         T::operation_input(ctx, operation);
-        key_header(ctx, operation, DOC & doc::REQUIRED != 0);
+        if DOC & doc::KEY_ELSEWHERE == 0 {
+            key_header(ctx, operation, DOC & doc::REQUIRED != 0);
+        }
         problems(ctx, operation);
     }
 

@@ -1,0 +1,11 @@
+use axum::http::StatusCode;
+use idem_axum::{idempotent, Tx};
+use sqlx::Sqlite;
+
+#[idempotent(unscoped = true, key = header("webhook id"))]
+async fn refund(tx: Tx<Sqlite>) -> StatusCode {
+    let _ = tx;
+    StatusCode::OK
+}
+
+fn main() {}

@@ -203,21 +203,13 @@ impl StandardWebhooks {
         let expected = self
             .secret
             .sign(&[id.as_bytes(), b".", timestamp.as_bytes(), b".", body]);
-        let mut matched = false;
-        for signature in signatures.split(' ') {
-            let Some(("v1", encoded)) = signature.split_once(',') else {
-                continue;
-            };
-            // Every one is compared, so that the time taken does not say which.
-            if let Ok(sent) = STANDARD.decode(encoded) {
-                matched |= bool::from(sent.ct_eq(&expected));
-            }
-        }
-        if matched {
-            Ok(())
-        } else {
-            Err(Unverified::Mismatch)
-        }
+        let sent = signatures
+            .split(' ')
+            .filter_map(|signature| match signature.split_once(',') {
+                Some(("v1", encoded)) => STANDARD.decode(encoded).ok(),
+                _ => None,
+            });
+        any_is(&expected, sent)
     }
 }
 
@@ -325,17 +317,7 @@ impl StripeSignature {
             return Err(Unverified::Stale { age_secs });
         }
         let expected = self.secret.sign(&[timestamp.as_bytes(), b".", body]);
-        let mut matched = false;
-        for signature in signatures {
-            if let Some(sent) = from_hex(signature) {
-                matched |= bool::from(sent.ct_eq(&expected));
-            }
-        }
-        if matched {
-            Ok(())
-        } else {
-            Err(Unverified::Mismatch)
-        }
+        any_is(&expected, signatures.into_iter().filter_map(from_hex))
     }
 }
 
@@ -350,6 +332,22 @@ impl fmt::Debug for StripeSignature {
         f.debug_struct("StripeSignature")
             .field("tolerance", &self.tolerance)
             .finish_non_exhaustive()
+    }
+}
+
+/// `Ok` when any signature `sent` is `expected`. Each is compared in constant
+/// time, and every one is, so that the time taken does not say which matched.
+fn any_is<S: AsRef<[u8]>>(
+    expected: &[u8; 32],
+    sent: impl Iterator<Item = S>,
+) -> Result<(), Unverified> {
+    let matched = sent.fold(false, |matched, sent| {
+        matched | bool::from(sent.as_ref().ct_eq(expected))
+    });
+    if matched {
+        Ok(())
+    } else {
+        Err(Unverified::Mismatch)
     }
 }
 

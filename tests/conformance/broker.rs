@@ -109,23 +109,29 @@ async fn distinct_effects<H: Harness>(h: &H) -> i64 {
     .await
 }
 
-/// RabbitMQ: messages ready in `queue` (0 when it does not exist).
+/// How long one look at the broker may take. A passive declare of a missing
+/// queue makes the broker close its channel, and a channel opened in the same
+/// breath has been seen to wait forever for its open-ok: every look is bounded,
+/// so that one never hangs a test.
+const LOOK: Duration = Duration::from_secs(5);
+
+/// RabbitMQ: messages ready in `queue` (0 when it does not exist; `u32::MAX`
+/// when the broker did not answer in time, so that a caller looks again).
 async fn ready(connection: &Connection, queue: &str) -> u32 {
-    let Ok(channel) = connection.create_channel().await else {
+    let Ok(Ok(channel)) = tokio::time::timeout(LOOK, connection.create_channel()).await else {
         return u32::MAX;
     };
     let passive = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
     };
-    let count = match channel
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-    {
-        Ok(declared) => declared.message_count(),
-        Err(_) => 0,
+    let declared = channel.queue_declare(queue.into(), passive, FieldTable::default());
+    let count = match tokio::time::timeout(LOOK, declared).await {
+        Ok(Ok(declared)) => declared.message_count(),
+        Ok(Err(_)) => 0,
+        Err(_) => u32::MAX,
     };
-    let _ = channel.close(200, "".into()).await;
+    let _ = tokio::time::timeout(LOOK, channel.close(200, "".into())).await;
     count
 }
 
@@ -133,7 +139,8 @@ async fn ready(connection: &Connection, queue: &str) -> u32 {
 async fn ready_anywhere(connection: &Connection, queue: &str) -> u32 {
     let mut total = ready(connection, queue).await;
     for secs in [1, 2, 5, 10, 30, 60] {
-        total += ready(connection, &format!("{queue}.idem-delay.{secs}s")).await;
+        total =
+            total.saturating_add(ready(connection, &format!("{queue}.idem-delay.{secs}s")).await);
     }
     total
 }
@@ -150,22 +157,34 @@ async fn declare(connection: &Connection, queue: &str) {
         .expect("the queue");
 }
 
+/// Deletes the test's queues, each look bounded (`LOOK`): what is left behind
+/// is a unique name no other run uses.
 async fn delete_queues(connection: &Connection, queues: &[String]) {
-    let channel = connection.create_channel().await.expect("a channel");
+    let Ok(Ok(channel)) = tokio::time::timeout(LOOK, connection.create_channel()).await else {
+        eprintln!("the broker opened no channel to delete {queues:?}: left behind");
+        return;
+    };
     for queue in queues {
-        let _ = channel
-            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-            .await;
-        for secs in [1, 2, 5, 10, 30, 60] {
-            let delay = format!("{queue}.idem-delay.{secs}s");
-            let _ = channel
-                .queue_delete(delay.as_str().into(), QueueDeleteOptions::default())
-                .await;
+        let mut names = vec![queue.clone()];
+        names.extend([1, 2, 5, 10, 30, 60].map(|secs| format!("{queue}.idem-delay.{secs}s")));
+        for name in names {
+            let deleted = channel.queue_delete(name.as_str().into(), QueueDeleteOptions::default());
+            let _ = tokio::time::timeout(LOOK, deleted).await;
         }
     }
 }
 
+/// Publishes `payload` as `id` and waits for the broker's confirm (30 s at most).
 async fn publish(connection: &Connection, queue: &str, id: &str, payload: &[u8]) {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        publish_confirmed(connection, queue, id, payload),
+    )
+    .await
+    .expect("published and confirmed within 30 s");
+}
+
+async fn publish_confirmed(connection: &Connection, queue: &str, id: &str, payload: &[u8]) {
     let channel = connection.create_channel().await.expect("a channel");
     channel
         .confirm_select(lapin::options::ConfirmSelectOptions::default())
@@ -187,7 +206,7 @@ async fn publish(connection: &Connection, queue: &str, id: &str, payload: &[u8])
         .await
         .expect("confirmed");
     assert!(confirmed.is_ack());
-    let _ = channel.close(200, "".into()).await;
+    let _ = tokio::time::timeout(LOOK, channel.close(200, "".into())).await;
 }
 
 /// A RabbitMQ consumer running in a task of its own, on a connection of its
@@ -203,9 +222,12 @@ impl Running {
     /// runs, then its connection closes.
     async fn stop(self) {
         let _ = self.stop.send(());
-        let ended = self.task.await.expect("the consumer's task");
+        let ended = tokio::time::timeout(Duration::from_secs(60), self.task)
+            .await
+            .expect("the consumer stops within 60 s")
+            .expect("the consumer's task");
         assert!(ended.is_ok(), "stopped cleanly: {ended:?}");
-        let _ = self.connection.close(200, "".into()).await;
+        let _ = tokio::time::timeout(LOOK, self.connection.close(200, "".into())).await;
     }
 }
 
@@ -339,10 +361,9 @@ pub async fn rabbitmq_a_consumer_cut_off_before_its_ack<H: Harness>() {
         .await
         .expect("the first consumer runs it");
     // The broker sees the first consumer go, as it would on SIGKILL.
-    first
-        .connection
-        .close(320, "cut off".into())
+    tokio::time::timeout(LOOK, first.connection.close(320, "cut off".into()))
         .await
+        .expect("closed in time")
         .expect("closed");
     let second = rabbit_consumer::<H>(h.another_instance(), &queue, None, None).await;
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -368,11 +368,10 @@ pub async fn webhook_duplicates_at_once_run_each_event_once<H: Harness>() {
     let mut deliveries = Vec::new();
     for n in 0..50 {
         let id = unique(&format!("evt{n}-"));
-        for copy in 0..4 {
+        for _ in 0..4 {
             let app = app.clone();
             let body = event(&id, &shop, "charge.refunded");
             deliveries.push(tokio::spawn(async move {
-                let _ = copy;
                 for _ in 0..200 {
                     // Half the events keyed by a header, half by the body.
                     let req = if n % 2 == 0 {

@@ -54,7 +54,13 @@ impl IdempotencyKey {
     /// than once, or its value is empty, longer than 255 characters, holds control
     /// or non-ASCII characters, or is a malformed quoted string.
     pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidKey> {
-        let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+        Self::from_header(headers, IDEMPOTENCY_KEY.as_str())
+    }
+
+    /// The key in header `name`, read as `Idempotency-Key` is: sent once, bare
+    /// or quoted.
+    pub(crate) fn from_header(headers: &HeaderMap, name: &str) -> Result<Option<Self>, InvalidKey> {
+        let mut values = headers.get_all(name).iter();
         let Some(value) = values.next() else {
             return Ok(None);
         };

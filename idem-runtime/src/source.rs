@@ -130,18 +130,7 @@ impl KeySource {
         };
         match self.0 {
             Where::IdempotencyKey => IdempotencyKey::from_headers(headers).map_err(invalid),
-            Where::Header(name) => {
-                let mut values = headers.get_all(name).iter();
-                let Some(value) = values.next() else {
-                    return Ok(None);
-                };
-                if values.next().is_some() {
-                    return Err(invalid(InvalidKey::Repeated));
-                }
-                IdempotencyKey::parse(value.as_bytes())
-                    .map(Some)
-                    .map_err(invalid)
-            }
+            Where::Header(name) => IdempotencyKey::from_header(headers, name).map_err(invalid),
             Where::Json(pointer) => match pointed(body, pointer).map_err(UnreadKey::NotJson)? {
                 Pointed::Key(text) => IdempotencyKey::from_id(&text).map(Some).map_err(invalid),
                 Pointed::Absent => Ok(None),
